@@ -1,0 +1,103 @@
+"""What the gateway measured about one request, and the one narrow hand-off to scoring.
+
+Data flows one way: the gateway's upstream code produces a :class:`Measurement` per dispatched
+request (organic or probe, success or failure) and calls ``sink.record(m)``. Scoring consumes them.
+Everything here is measured on the validator's own clock; nothing the miner claims is trusted.
+
+Example::
+
+    q = MeasurementQueue(maxsize=10_000)
+    q.record(Measurement(uid=1, hotkey="5F...", in_flight=0, prompt_tokens=12, max_tokens=64,
+                         ttft_s=0.46, latency_s=0.61, completion_tokens=64, ok=True))
+    batch = q.drain()
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loguru import logger
+
+# Failure reasons, recorded as the miner's failure (never the client's).
+FAIL_BUSY = "busy"  # miner answered 429 (not scored as a failure: the miner told the truth)
+FAIL_CONNECT = "connect"  # could not connect / connection refused
+FAIL_HTTP = "http_status"  # non-200 answer other than 429
+FAIL_TIMEOUT = "timeout"  # no first token, or stalled, within the deadline
+FAIL_DROPPED = "dropped"  # stream ended before [DONE] / finish
+FAIL_GARBAGE = "garbage"  # invalid JSON, invalid UTF-8, wrong shape, oversized chunk, NaN
+FAIL_OVERLONG = "overlong"  # more tokens than max_tokens
+FAIL_EMPTY = "empty"  # finished without any content
+# Not the miner's fault: recorded for accounting, excluded from credit.
+CLIENT_DISCONNECT = "client_disconnect"
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One dispatched request as the validator saw it.
+
+    ``in_flight`` is the number of this validator's requests already in flight to that miner when
+    this one was dispatched (so the request ran at concurrency ``in_flight + 1``).
+    ``prompt_tokens`` is the validator's own estimate, never the miner's usage report.
+    """
+
+    uid: int
+    hotkey: str
+    in_flight: int
+    prompt_tokens: int
+    max_tokens: int
+    ttft_s: float | None
+    latency_s: float
+    completion_tokens: int
+    ok: bool
+    failure: str | None = None
+    probe: bool = False
+    at: float = field(default_factory=time.time)
+
+    @property
+    def decode_s(self) -> float:
+        """Time spent decoding after the first token."""
+        if self.ttft_s is None:
+            return 0.0
+        return max(0.0, self.latency_s - self.ttft_s)
+
+    def decode_rate(self, min_tokens: int = 16) -> float | None:
+        """Tokens per second after the first token, or None when too few tokens to tell."""
+        if self.completion_tokens < min_tokens or self.decode_s <= 0:
+            return None
+        return (self.completion_tokens - 1) / self.decode_s
+
+
+class MeasurementSink(Protocol):
+    """Anything that accepts measurements. Must never block or raise into the serving path."""
+
+    def record(self, m: Measurement) -> None: ...
+
+
+class MeasurementQueue:
+    """A bounded in-memory hand-off. Overflow drops the oldest and is counted and logged, never silent."""
+
+    def __init__(self, maxsize: int = 100_000) -> None:
+        self._items: deque[Measurement] = deque()
+        self._maxsize = maxsize
+        self.recorded = 0
+        self.overflowed = 0
+
+    def record(self, m: Measurement) -> None:
+        if len(self._items) >= self._maxsize:
+            self._items.popleft()
+            self.overflowed += 1
+            if self.overflowed == 1 or self.overflowed % 1000 == 0:
+                logger.warning("measurement queue full ({}): {} dropped so far", self._maxsize, self.overflowed)
+        self._items.append(m)
+        self.recorded += 1
+
+    def drain(self) -> list[Measurement]:
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def __len__(self) -> int:
+        return len(self._items)

@@ -1,0 +1,231 @@
+"""Weighted-random least-in-flight routing: pure logic, no I/O.
+
+Among eligible miners keep those with the lowest load (this validator's requests in flight, divided
+by the miner's slot count), then pick one at random with probability proportional to its routing
+score. A deterministic tie-break is the bug this module exists to avoid: when requests never
+overlap every miner has zero in flight, and "highest score wins" sends every request to one card,
+whose TTFT then rises while it is paid less.
+
+Example::
+
+    import random
+    r = Router(rng=random.Random(7))
+    r.sync([Candidate(uid=1, hotkey="a", endpoint="127.0.0.1:8091"),
+            Candidate(uid=2, hotkey="b", endpoint="127.0.0.1:8092")])
+    r.set_scores({"a": 0.9, "b": 0.3})
+    lease = r.acquire()          # uid 1 about 75 % of the time
+    ...
+    r.release(lease)             # exactly once, on every path
+
+Loads are bucketed so a pick costs O(distinct loads + log n), not O(n): with 256 miners the choice
+stays in the microseconds even though it runs on every request.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A routable miner as the metagraph describes it."""
+
+    uid: int
+    hotkey: str
+    endpoint: str
+    slots: int = 1
+
+
+@dataclass(slots=True, eq=False)
+class MinerState:
+    """Live routing state of one miner. Identity matters: a lease points at the exact object."""
+
+    uid: int
+    hotkey: str
+    endpoint: str
+    slots: int
+    score: float | None = None  # None: not measured yet, routed at the prior
+    in_flight: int = 0
+    served: int = 0
+    _bucket: float = field(default=0.0, repr=False)
+
+    @property
+    def load(self) -> float:
+        return self.in_flight / self.slots
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """Proof that one request holds one in-flight unit on ``miner``; release it exactly once."""
+
+    miner: MinerState
+    in_flight_at_dispatch: int
+    released: bool = False
+
+
+class _Bucket:
+    """Miners sharing one load value, with cumulative score weights cached until membership changes."""
+
+    __slots__ = ("members", "_order", "_cum", "_total")
+
+    def __init__(self) -> None:
+        self.members: dict[int, MinerState] = {}
+        self._order: list[MinerState] | None = None
+        self._cum: list[float] = []
+        self._total = 0.0
+
+    def invalidate(self) -> None:
+        self._order = None
+
+    def pick(self, rng: random.Random, weight_of) -> MinerState:
+        if self._order is None:
+            self._order = list(self.members.values())
+            self._cum = list(accumulate(weight_of(m) for m in self._order))
+            self._total = self._cum[-1]
+        if self._total <= 0.0:
+            return self._order[rng.randrange(len(self._order))]
+        return self._order[bisect_right(self._cum, rng.random() * self._total)]
+
+
+def _clean_score(value: float) -> float:
+    value = float(value)
+    if math.isnan(value) or value < 0.0:
+        return 0.0
+    return min(value, 1e9)
+
+
+class Router:
+    """Chooses a miner per request; tracks this validator's in-flight requests exactly.
+
+    ``prior`` is the routing score of a miner that has not been measured yet; by default the median
+    of the known scores (1.0 when none is known), so a newcomer is treated as a typical card until
+    probes have measured it.
+    """
+
+    def __init__(self, rng: random.Random | None = None, prior: float | None = None) -> None:
+        self._rng = rng if rng is not None else random.Random()
+        self._fixed_prior = prior
+        self._prior = 1.0 if prior is None else _clean_score(prior)
+        self._miners: dict[int, MinerState] = {}
+        self._buckets: dict[float, _Bucket] = {}
+
+    # -- membership and scores -------------------------------------------------------------------
+
+    def sync(self, candidates: Iterable[Candidate]) -> None:
+        """Replace the eligible set. A UID whose hotkey or endpoint changed starts from nothing.
+
+        In-flight requests of a removed or replaced miner keep their lease; releasing it later
+        touches only that old state object.
+        """
+        wanted = {c.uid: c for c in candidates}
+        for uid in list(self._miners):
+            c = wanted.get(uid)
+            m = self._miners[uid]
+            if c is None or c.hotkey != m.hotkey or c.endpoint != m.endpoint or c.slots != m.slots:
+                self._unbucket(m)
+                del self._miners[uid]
+        for uid, c in wanted.items():
+            if uid not in self._miners:
+                m = MinerState(uid=c.uid, hotkey=c.hotkey, endpoint=c.endpoint, slots=max(1, int(c.slots)))
+                self._miners[uid] = m
+                self._bucket_in(m)
+
+    def set_scores(self, scores: Mapping[str, float]) -> None:
+        """Routing scores keyed by hotkey (so a re-registered UID cannot inherit a score)."""
+        for m in self._miners.values():
+            s = scores.get(m.hotkey)
+            m.score = None if s is None else _clean_score(s)
+        if self._fixed_prior is None:
+            known = sorted(m.score for m in self._miners.values() if m.score is not None)
+            self._prior = known[len(known) // 2] if known else 1.0
+        for b in self._buckets.values():
+            b.invalidate()
+
+    def _weight(self, m: MinerState) -> float:
+        return self._prior if m.score is None else m.score
+
+    # -- choice ----------------------------------------------------------------------------------
+
+    def pick(self, exclude: frozenset[int] | set[int] = frozenset()) -> MinerState | None:
+        """The miner the next request should go to, or None when nothing is eligible."""
+        for load in sorted(self._buckets):
+            bucket = self._buckets[load]
+            if not exclude:
+                return bucket.pick(self._rng, self._weight)
+            rest = [m for uid, m in bucket.members.items() if uid not in exclude]
+            if rest:
+                return self._weighted(rest)
+        return None
+
+    def _weighted(self, miners: list[MinerState]) -> MinerState:
+        weights = [self._weight(m) for m in miners]
+        total = sum(weights)
+        if total <= 0.0:
+            return miners[self._rng.randrange(len(miners))]
+        return miners[bisect_right(list(accumulate(weights)), self._rng.random() * total)]
+
+    def acquire(self, exclude: frozenset[int] | set[int] = frozenset()) -> Lease | None:
+        """Pick a miner and count one request in flight on it."""
+        m = self.pick(exclude)
+        if m is None:
+            return None
+        lease = Lease(miner=m, in_flight_at_dispatch=m.in_flight)
+        self._unbucket(m)
+        m.in_flight += 1
+        self._bucket_in(m)
+        return lease
+
+    def release(self, lease: Lease, served: bool = False) -> None:
+        """Give the in-flight unit back. Idempotent, so a double release cannot corrupt counts."""
+        if lease.released:
+            return
+        lease.released = True
+        m = lease.miner
+        live = self._miners.get(m.uid) is m
+        if live:
+            self._unbucket(m)
+        m.in_flight -= 1
+        if served:
+            m.served += 1
+        if live:
+            self._bucket_in(m)
+
+    # -- inspection ------------------------------------------------------------------------------
+
+    def miners(self) -> list[MinerState]:
+        return sorted(self._miners.values(), key=lambda m: m.uid)
+
+    def get(self, uid: int) -> MinerState | None:
+        return self._miners.get(uid)
+
+    def total_in_flight(self) -> int:
+        return sum(m.in_flight for m in self._miners.values())
+
+    def __len__(self) -> int:
+        return len(self._miners)
+
+    # -- buckets ---------------------------------------------------------------------------------
+
+    def _bucket_in(self, m: MinerState) -> None:
+        load = m.load
+        b = self._buckets.get(load)
+        if b is None:
+            b = self._buckets[load] = _Bucket()
+        b.members[m.uid] = m
+        b.invalidate()
+        m._bucket = load
+
+    def _unbucket(self, m: MinerState) -> None:
+        b = self._buckets.get(m._bucket)
+        if b is None or b.members.get(m.uid) is not m:
+            return
+        del b.members[m.uid]
+        if b.members:
+            b.invalidate()
+        else:
+            del self._buckets[m._bucket]
