@@ -172,6 +172,11 @@ class Router:
     def acquire(self, exclude: frozenset[int] | set[int] = frozenset()) -> Lease | None:
         """Pick a miner and count one request in flight on it."""
         m = self.pick(exclude)
+        return None if m is None else self.acquire_uid(m.uid)
+
+    def acquire_uid(self, uid: int) -> Lease | None:
+        """Count one request in flight on a specific miner (probes), so organic routing sees it too."""
+        m = self._miners.get(uid)
         if m is None:
             return None
         lease = Lease(miner=m, in_flight_at_dispatch=m.in_flight)
