@@ -1,0 +1,216 @@
+"""Validates a client's chat-completions request and normalizes it into what miners are sent.
+
+The gateway forwards only fields it understands, with values it has range-checked, so a client can
+neither make a miner misbehave through odd parameters nor be billed for a silently ignored one.
+Every rejection names the offending field (``param``), as OpenAI does.
+
+Example::
+
+    limits = SchemaLimits(models=("tensorgate/sim-5090",))
+    req = parse_chat_request({"model": "tensorgate/sim-5090",
+                              "messages": [{"role": "user", "content": "hi"}]}, limits)
+    req.max_tokens            # limits.default_max_tokens
+    req.upstream_payload()    # {"model": ..., "messages": [...], "max_tokens": 256, "stream": True,
+                              #  "stream_options": {"include_usage": True}}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import bad_request, model_not_found
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# Accepted but not served: refusing is better than pretending.
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction")
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaLimits:
+    models: tuple[str, ...]
+    default_max_tokens: int = 256
+    max_tokens_cap: int = 4096
+    max_messages: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A validated request. ``max_tokens`` is already capped; ``sampling`` holds checked extras."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    stream: bool
+    include_usage: bool
+    max_tokens: int
+    sampling: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int = 0
+
+    def upstream_payload(self) -> dict[str, Any]:
+        """The body sent to a miner: always streamed, always with usage, ``max_tokens`` explicit."""
+        return {
+            "model": self.model,
+            "messages": self.messages,
+            "max_tokens": self.max_tokens,
+            **self.sampling,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+
+def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:
+    """The validator's own prompt-size estimate: ~4 characters a token plus 4 per message."""
+    total = 0
+    for m in messages:
+        content = m.get("content", "")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        total += (len(str(content)) + 3) // 4 + 4
+    return total
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
+        raise bad_request(f"'{name}' must be a number between {lo:g} and {hi:g}", param=name)
+    return v
+
+
+def _content(value: Any, param: str) -> str | list[dict[str, str]]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request("only text content parts ({'type': 'text', 'text': str}) are supported",
+                                  param=f"{param}[{j}]")
+            parts.append({"type": "text", "text": part["text"]})
+        return parts
+    raise bad_request("content must be a string or a list of text parts", param=param)
+
+
+def _messages(value: Any, limits: SchemaLimits) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    if len(value) > limits.max_messages:
+        raise bad_request(f"at most {limits.max_messages} messages are allowed", param="messages")
+    out = []
+    for i, m in enumerate(value):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request("each message must be an object", param=p)
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"role must be one of {sorted(ROLES)}", param=f"{p}.role")
+        if "content" not in m or (m["content"] is None and role != "assistant"):
+            raise bad_request("content is required", param=f"{p}.content")
+        msg: dict[str, Any] = {"role": role, "content": "" if m["content"] is None else _content(m["content"],
+                                                                                            f"{p}.content")}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise bad_request("name must be a string", param=f"{p}.name")
+            msg["name"] = name
+        out.append(msg)
+    return out
+
+
+def _max_tokens(body: dict[str, Any], limits: SchemaLimits) -> int:
+    chosen: int | None = None
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise bad_request(f"'{name}' must be a positive integer", param=name)
+        if chosen is not None and v != chosen:
+            raise bad_request("'max_tokens' and 'max_completion_tokens' disagree", param="max_tokens")
+        chosen = v
+    return min(chosen if chosen is not None else limits.default_max_tokens, limits.max_tokens_cap)
+
+
+def _stop(value: Any) -> str | list[str] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) <= 4 and all(isinstance(s, str) for s in value):
+        return value
+    raise bad_request("'stop' must be a string or a list of at most 4 strings", param="stop")
+
+
+def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
+    """Validate a decoded JSON body; raises :class:`gateway.errors.GatewayError` (400/404)."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", param="model")
+    messages = _messages(body.get("messages"), limits)
+    if model not in limits.models:
+        raise model_not_found(model)
+    for name in UNSUPPORTED:
+        if body.get(name) is not None:
+            raise bad_request(f"'{name}' is not supported by this gateway", param=name, code="unsupported_parameter")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise bad_request("'logprobs' is not supported by this gateway", param="logprobs",
+                          code="unsupported_parameter")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format",
+                          code="unsupported_parameter")
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", param="stream")
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        if not isinstance(so, dict):
+            raise bad_request("'stream_options' must be an object", param="stream_options")
+        iu = so.get("include_usage", False)
+        if not isinstance(iu, bool):
+            raise bad_request("'include_usage' must be a boolean", param="stream_options.include_usage")
+        include_usage = iu
+
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise bad_request("only n=1 is supported", param="n")
+
+    sampling: dict[str, Any] = {}
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0),
+                         ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+        v = _number(body, name, lo, hi)
+        if v is not None:
+            sampling[name] = v
+    stop = _stop(body.get("stop"))
+    if stop is not None:
+        sampling["stop"] = stop
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise bad_request("'seed' must be an integer", param="seed")
+        sampling["seed"] = seed
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("'user' must be a string", param="user")
+
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=_max_tokens(body, limits),
+        sampling=sampling,
+        prompt_tokens=estimate_prompt_tokens(messages),
+    )

@@ -1,0 +1,352 @@
+"""The OpenAI-compatible HTTP front door: authenticate, validate, route, relay, retry, account.
+
+A request holds exactly one router lease at a time, released in ``finally`` on every path. Until the
+first content chunk has arrived nothing is sent to the client, so a miner that is busy (429), dead,
+slow to start or broken is released and another is tried (``exclude`` = the miners tried), up to
+``max_retries`` times. From the first content chunk on, the request belongs to that miner: a
+failure ends the stream with an error event and ``[DONE]`` — never a hang, never a second miner's
+tokens spliced in. Handler cancellation is on, so a client that disconnects cancels the upstream
+request at once and frees the miner's slot.
+
+Example::
+
+    cfg = GatewayConfig.from_sources(port=0, models=["tensorgate/sim-5090"], keys=["sk-local"])
+    gw = Gateway(cfg, router, Upstream(session, RequestSigner(keypair), sink))
+    await gw.start()
+    print(f"http://127.0.0.1:{gw.port}/v1")   # base_url for the official openai client
+    await gw.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from loguru import logger
+
+from .auth import ApiKeyAuth, load_key_hashes
+from .errors import (
+    GatewayError,
+    bad_gateway,
+    gateway_timeout,
+    invalid_json,
+    no_capacity,
+    payload_too_large,
+    unauthorized,
+)
+from .measurement import FAIL_BUSY, FAIL_TIMEOUT
+from .openai_schema import ChatRequest, SchemaLimits, parse_chat_request
+from .router import Router
+from .sse import DONE_FRAME, ChunkInfo, frame
+from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
+
+DEFAULT_MODELS = ("tensorgate/sim-5090",)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: an ephemeral port, read it back from Gateway.port
+    api_key_hashes: frozenset[str] = frozenset()
+    models: tuple[str, ...] = DEFAULT_MODELS
+    max_body_bytes: int = 1 << 20
+    max_retries: int = 2  # extra miners tried before the client has seen a byte
+    default_max_tokens: int = 256
+    max_tokens_cap: int = 4096
+    timeouts: UpstreamTimeouts | None = None  # None: the Upstream's own
+    served_by_header: str = "X-Tensorgate-Miner-Uid"
+    shutdown_timeout: float = 5.0
+
+    @classmethod
+    def from_sources(
+        cls,
+        *,
+        keys_file: str | Path | None = None,
+        keys: Iterable[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        models: Iterable[str] | None = None,
+        **kwargs: Any,
+    ) -> GatewayConfig:
+        """A config whose API keys come from a file, a list and ``TENSORGATE_API_KEYS`` (hashed)."""
+        hashes = load_key_hashes(keys_file=keys_file, keys=keys, env=env)
+        if not hashes:
+            logger.warning("gateway has no API keys configured: every /v1 request will get 401")
+        if models is not None:
+            kwargs["models"] = tuple(models)
+        return cls(api_key_hashes=hashes, **kwargs)
+
+
+class Gateway:
+    """Serves ``/v1/chat/completions``, ``/v1/models``, ``/v1/status`` and ``/health``."""
+
+    def __init__(self, config: GatewayConfig, router: Router, upstream: Upstream) -> None:
+        self.config = config
+        self.router = router
+        self.upstream = upstream
+        self.auth = ApiKeyAuth(config.api_key_hashes)
+        self.limits = SchemaLimits(models=tuple(config.models), default_max_tokens=config.default_max_tokens,
+                                   max_tokens_cap=config.max_tokens_cap)
+        self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=self.config.max_body_bytes + 1)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/status", self._status)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def start(self) -> None:
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=self.config.shutdown_timeout)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port)
+        await site.start()
+        self._runner = runner
+        self._port = int(runner.addresses[0][1])
+        logger.info("gateway listening on http://{}:{}", self.config.host, self._port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("gateway not started")
+        return self._port
+
+    # -- middleware and small routes -------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except GatewayError as e:
+            self.outcomes[str(e.status)] += 1
+            return e.response()
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
+            return GatewayError(e.status, e.reason, code=code).response()
+
+    def _authorize(self, request: web.Request) -> None:
+        if not self.auth.check(request.headers.get("Authorization")):
+            raise unauthorized()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "miners": len(self.router),
+                                  "in_flight": self.router.total_in_flight()})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "tensorgate"} for m in self.config.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        miners = []
+        for m in self.router.miners():
+            st = self.upstream.stats.get(m.uid)
+            miners.append({
+                "uid": m.uid,
+                "hotkey": m.hotkey,
+                "endpoint": m.endpoint,
+                "slots": m.slots,
+                "in_flight": m.in_flight,
+                "score": m.score,  # None: not measured yet, routed at the prior
+                "served": m.served,
+                "requests": st.requests if st else 0,
+                "ok": st.ok if st else 0,
+                "failures": dict(st.failures) if st else {},
+                "ttft_p50_s": st.ttft_p50() if st else None,
+            })
+        return web.json_response({"in_flight": self.router.total_in_flight(), "dispatched": self.upstream.dispatched,
+                                  "outcomes": dict(self.outcomes), "miners": miners})
+
+    # -- chat completions ------------------------------------------------------------------------
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise payload_too_large(limit)
+        buf = bytearray()
+        async for part in request.content.iter_chunked(64 * 1024):
+            buf += part
+            if len(buf) > limit:
+                raise payload_too_large(limit)
+        return bytes(buf)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request)
+        raw = await self._read_body(request)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise invalid_json() from None
+        req = parse_chat_request(body, self.limits)
+        return await self._dispatch(request, req)
+
+    async def _dispatch(self, request: web.Request, req: ChatRequest) -> web.StreamResponse:
+        payload = req.upstream_payload()
+        tried: set[int] = set()
+        failures: list[UpstreamError] = []
+        for _ in range(1 + max(0, self.config.max_retries)):
+            lease = self.router.acquire(exclude=tried)
+            if lease is None:
+                break
+            tried.add(lease.miner.uid)
+            served = False
+            try:
+                try:
+                    stream = await self.upstream.open(lease, payload, timeouts=self.config.timeouts)
+                except UpstreamError as e:
+                    failures.append(e)
+                    continue
+                async with stream:
+                    try:
+                        head = await _until_content(stream)
+                    except UpstreamError as e:
+                        failures.append(e)
+                        continue
+                    # committed: from here on this request belongs to this miner, no retry
+                    if req.stream:
+                        resp = await self._relay(request, req, stream, head)
+                    else:
+                        resp = await self._assemble(req, stream, head)
+                    served = stream.ok
+                    return resp
+            finally:
+                self.router.release(lease, served=served)
+        raise _exhausted(failures)
+
+    def _served_by(self, stream: UpstreamStream) -> dict[str, Any]:
+        return {"miner_uid": stream.uid, "miner_hotkey": stream.hotkey}
+
+    def _usage(self, req: ChatRequest, stream: UpstreamStream) -> dict[str, int]:
+        # completion tokens are the gateway's own count; the prompt size is the miner's (it tokenized it)
+        # when it reported a sane one, else the gateway's estimate
+        prompt = (stream.usage or {}).get("prompt_tokens", req.prompt_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": stream.tokens, "total_tokens": prompt + stream.tokens}
+
+    async def _relay(self, request: web.Request, req: ChatRequest, stream: UpstreamStream,
+                     head: list[ChunkInfo]) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            self.config.served_by_header: str(stream.uid),
+        })
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        first = True
+
+        def chunk_obj(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+            nonlocal first
+            obj: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
+                                   "model": req.model,
+                                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            if first:
+                delta.setdefault("role", "assistant")
+                obj["tensorgate"] = self._served_by(stream)
+                first = False
+            return obj
+
+        async def emit(ch: ChunkInfo) -> None:
+            delta: dict[str, Any] = {}
+            if ch.role:
+                delta["role"] = ch.role
+            if ch.content or ch.role:
+                delta["content"] = ch.content
+            if not delta and ch.finish_reason is None:
+                return  # usage or empty keep-alive chunk: the gateway sends its own usage
+            await resp.write(frame(chunk_obj(delta, ch.finish_reason)))
+
+        try:
+            await resp.prepare(request)
+            for ch in head:
+                await emit(ch)
+            try:
+                async for ch in stream:
+                    await emit(ch)
+            except UpstreamError as e:
+                self.outcomes["stream_error"] += 1
+                err = _mid_stream_error(e)
+                await resp.write(frame(err.body()))
+                await resp.write(DONE_FRAME)
+                await resp.write_eof()
+                return resp
+            if req.include_usage:
+                await resp.write(frame({"id": cid, "object": "chat.completion.chunk", "created": created,
+                                        "model": req.model, "choices": [], "usage": self._usage(req, stream)}))
+            await resp.write(DONE_FRAME)
+            await resp.write_eof()
+            self.outcomes["200"] += 1
+        except ConnectionError:
+            # the client went away; closing the stream cancels the miner request (client_disconnect)
+            self.outcomes["client_disconnect"] += 1
+            stream.close()
+        return resp
+
+    async def _assemble(self, req: ChatRequest, stream: UpstreamStream, head: list[ChunkInfo]) -> web.Response:
+        parts = [ch.content for ch in head]
+        try:
+            async for ch in stream:
+                parts.append(ch.content)
+        except UpstreamError as e:
+            raise _mid_stream_error(e) from None
+        body = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                         "logprobs": None, "finish_reason": stream.finish_reason or "stop"}],
+            "usage": self._usage(req, stream),
+            "tensorgate": self._served_by(stream),
+        }
+        self.outcomes["200"] += 1
+        return web.json_response(body, headers={self.config.served_by_header: str(stream.uid)})
+
+
+async def _until_content(stream: UpstreamStream) -> list[ChunkInfo]:
+    """Chunks up to and including the first carrying content or a finish; nothing is sent before it."""
+    head: list[ChunkInfo] = []
+    async for ch in stream:
+        head.append(ch)
+        if ch.content or ch.finish_reason is not None:
+            break
+    return head
+
+
+def _exhausted(failures: list[UpstreamError]) -> GatewayError:
+    """The answer when no miner produced a byte: 429 when none had room, else 504/502 by the last failure."""
+    if not failures:
+        return no_capacity("no miner is available for this request; retry shortly")
+    real = [f for f in failures if f.reason != FAIL_BUSY]
+    if not real:
+        return no_capacity(f"all {len(failures)} miners tried are busy; retry shortly")
+    last = real[-1]
+    if last.reason == FAIL_TIMEOUT:
+        return gateway_timeout(f"the miner did not answer in time ({len(failures)} tried)")
+    return bad_gateway(f"the miner failed before answering: {last.reason} ({len(failures)} tried)")
+
+
+def _mid_stream_error(e: UpstreamError) -> GatewayError:
+    if e.reason == FAIL_TIMEOUT:
+        return gateway_timeout("the miner stalled mid-answer")
+    return bad_gateway(f"the miner failed mid-answer: {e.reason}", code="upstream_failed_mid_stream")

@@ -1,0 +1,407 @@
+"""The one path every dispatched request takes, organic or probe: sign, POST, stream, measure.
+
+Everything is measured on the validator's clock. The TTFT clock starts at dispatch, before signing
+and connecting (a slow accept queue is the miner's latency too, never hidden by timing from response
+headers); TTFT ends at the first chunk carrying content (the role-only prelude does not count);
+completion tokens are the content chunks the gateway itself counted. Whatever the miner does —
+refuse (429), hang, stall, send garbage, NaN, too-long lines, more tokens than ``max_tokens``, drop
+the connection — the stream is bounded, stopped and recorded as exactly one :class:`Measurement`.
+
+Example::
+
+    up = Upstream(session, RequestSigner(keypair), sink=MeasurementQueue())
+    lease = router.acquire()
+    try:
+        async with await up.open(lease, {"model": m, "messages": msgs, "max_tokens": 64}) as stream:
+            async for chunk in stream:          # ChunkInfo(role, content, finish_reason, usage)
+                print(chunk.content, end="")
+    except UpstreamError as e:
+        e.reason                                # a FAIL_* constant; e.measurement was already recorded
+    finally:
+        router.release(lease)
+
+    m = await up.probe(lease, payload)          # the same code path, consumed to the end
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+from loguru import logger
+
+from .measurement import (
+    CLIENT_DISCONNECT,
+    FAIL_BUSY,
+    FAIL_CONNECT,
+    FAIL_DROPPED,
+    FAIL_EMPTY,
+    FAIL_GARBAGE,
+    FAIL_HTTP,
+    FAIL_OVERLONG,
+    FAIL_TIMEOUT,
+    Measurement,
+    MeasurementSink,
+)
+from .openai_schema import estimate_prompt_tokens
+from .router import Lease
+from .signing import RequestSigner
+from .sse import DONE, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser, parse_chunk
+
+PATH = "/v1/chat/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTimeouts:
+    """Seconds. ``first_token`` counts from dispatch; ``stall`` between chunks; ``total`` caps everything."""
+
+    connect: float = 3.0
+    first_token: float = 30.0
+    stall: float = 15.0
+    total: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamLimits:
+    max_line_bytes: int = 64 * 1024
+    max_content_chars: int = 4096  # one chunk's delta.content; a token is a few characters
+    default_max_tokens: int = 256  # for payloads that name no max_tokens
+
+
+class UpstreamError(Exception):
+    """The dispatch failed; ``measurement`` (already handed to the sink) says how."""
+
+    def __init__(self, reason: str, measurement: Measurement, *, status: int | None = None,
+                 after_content: bool = False, detail: str = "") -> None:
+        super().__init__(f"{reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+        self.measurement = measurement
+        self.status = status
+        self.after_content = after_content
+        self.detail = detail
+
+
+@dataclass(slots=True)
+class MinerStats:
+    """Recent outcomes of one miner, for the status page (scoring keeps its own books)."""
+
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=50))
+    requests: int = 0
+    ok: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+
+    def ttft_p50(self) -> float | None:
+        if not self.ttfts:
+            return None
+        s = sorted(self.ttfts)
+        n = len(s)
+        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _max_tokens_of(body: dict[str, Any], default: int) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return default
+
+
+class Upstream:
+    """Dispatches requests to miners over one shared ``aiohttp.ClientSession``."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        signer: RequestSigner,
+        sink: MeasurementSink,
+        timeouts: UpstreamTimeouts | None = None,
+        limits: UpstreamLimits | None = None,
+    ) -> None:
+        self._session = session
+        self._signer = signer
+        self._sink = sink
+        self.timeouts = timeouts or UpstreamTimeouts()
+        self.limits = limits or UpstreamLimits()
+        self.stats: dict[int, MinerStats] = {}
+        self.dispatched = 0
+
+    async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,
+                   timeouts: UpstreamTimeouts | None = None) -> UpstreamStream:
+        """Sign and POST ``payload`` (forced to ``stream: true`` with usage) to the lease's miner.
+
+        Returns once the miner answered 200 with an event stream. Raises :class:`UpstreamError`
+        (measurement recorded) for busy, connect errors, non-200, timeouts before headers.
+        """
+        stream = UpstreamStream(self, lease, payload, probe=probe, timeouts=timeouts or self.timeouts)
+        await stream._connect()
+        return stream
+
+    async def probe(self, lease: Lease, payload: dict[str, Any], *,
+                    timeouts: UpstreamTimeouts | None = None) -> Measurement:
+        """A probe: the organic code path, consumed to the end. Never raises for miner failures."""
+        try:
+            stream = await self.open(lease, payload, probe=True, timeouts=timeouts)
+        except UpstreamError as e:
+            return e.measurement
+        async with stream:
+            try:
+                async for _ in stream:
+                    pass
+            except UpstreamError as e:
+                return e.measurement
+        assert stream.measurement is not None
+        return stream.measurement
+
+    def _record(self, m: Measurement) -> None:
+        st = self.stats.get(m.uid)
+        if st is None:
+            st = self.stats[m.uid] = MinerStats()
+        st.requests += 1
+        if m.ok:
+            st.ok += 1
+        elif m.failure is not None:
+            st.failures[m.failure] += 1
+        if m.ttft_s is not None:
+            st.ttfts.append(m.ttft_s)
+        try:
+            self._sink.record(m)
+        except Exception:  # the sink must never break serving
+            logger.opt(exception=True).error("measurement sink raised; measurement for uid {} lost", m.uid)
+
+
+class UpstreamStream:
+    """One dispatch: an async iterator of :class:`ChunkInfo`, recorded exactly once when it ends.
+
+    Use it as ``async with``: leaving the block before the stream finished (client gone, task
+    cancelled) closes the miner connection at once and records ``client_disconnect``.
+    """
+
+    def __init__(self, upstream: Upstream, lease: Lease, payload: dict[str, Any], *, probe: bool,
+                 timeouts: UpstreamTimeouts) -> None:
+        self._up = upstream
+        self._loop = asyncio.get_running_loop()
+        self.t0 = self._loop.time()  # the TTFT clock starts at dispatch, before anything else
+        self.lease = lease
+        self.uid = lease.miner.uid
+        self.hotkey = lease.miner.hotkey
+        self.probe = probe
+        self._tmo = timeouts
+        limits = upstream.limits
+        body = {k: v for k, v in payload.items() if k != "max_completion_tokens"}
+        self.max_tokens = _max_tokens_of(payload, limits.default_max_tokens)
+        body["max_tokens"] = self.max_tokens
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+        messages = body.get("messages")
+        self.prompt_tokens = estimate_prompt_tokens(messages) if isinstance(messages, list) else 0
+        self._body = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        self._parser = SSEParser(max_line_bytes=limits.max_line_bytes)
+        self._max_content = limits.max_content_chars
+        self._resp: aiohttp.ClientResponse | None = None
+        self._pending: deque[ChunkInfo] = deque()
+        self._error: UpstreamError | None = None
+        self._last_event = self.t0
+        self.headers: dict[str, str] = {}
+        self.tokens = 0
+        self.ttft_s: float | None = None
+        self.finish_reason: str | None = None
+        self.usage: dict[str, int] | None = None
+        self.measurement: Measurement | None = None
+        upstream.dispatched += 1
+
+    # -- state -----------------------------------------------------------------------------------
+
+    @property
+    def content_started(self) -> bool:
+        return self.ttft_s is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.measurement is not None
+
+    @property
+    def ok(self) -> bool:
+        return self.measurement is not None and self.measurement.ok
+
+    def _finish(self, failure: str | None, *, status: int | None = None, detail: str = "") -> Measurement:
+        """Record the one measurement of this dispatch and drop the connection (idempotent)."""
+        if self.measurement is not None:
+            return self.measurement
+        m = Measurement(
+            uid=self.uid,
+            hotkey=self.hotkey,
+            in_flight=self.lease.in_flight_at_dispatch,
+            prompt_tokens=self.prompt_tokens,
+            max_tokens=self.max_tokens,
+            ttft_s=self.ttft_s,
+            latency_s=max(0.0, self._loop.time() - self.t0),
+            completion_tokens=self.tokens,
+            ok=failure is None,
+            failure=failure,
+            probe=self.probe,
+        )
+        self.measurement = m
+        if self._resp is not None:
+            if failure is None:
+                self._resp.release()
+            else:
+                self._resp.close()  # frees the miner's slot now, not when the socket times out
+        if failure is not None and failure != CLIENT_DISCONNECT:
+            self._error = UpstreamError(failure, m, status=status, after_content=self.content_started,
+                                        detail=detail)
+            logger.debug("uid {} {}{}", self.uid, failure, f" ({detail})" if detail else "")
+        self._up._record(m)
+        return m
+
+    def _fail(self, failure: str, *, status: int | None = None, detail: str = "") -> UpstreamError:
+        self._finish(failure, status=status, detail=detail)
+        assert self._error is not None
+        return self._error
+
+    # -- connect ---------------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        miner = self.lease.miner
+        tmo = self._tmo
+        try:
+            headers = self._up._signer.sign(path=PATH, body=self._body, receiver_ss58=miner.hotkey)
+            headers["Content-Type"] = "application/json"
+            headers["Accept"] = "text/event-stream"
+            try:
+                async with asyncio.timeout(min(tmo.first_token, tmo.total)):
+                    resp = await self._up._session.post(
+                        f"http://{miner.endpoint}{PATH}",
+                        data=self._body,
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=None, connect=tmo.connect, sock_connect=tmo.connect),
+                    )
+            except aiohttp.ClientConnectionError as e:
+                # connect refused/timed out, reset or closed before any answer
+                raise self._fail(FAIL_CONNECT, detail=type(e).__name__) from None
+            except TimeoutError:
+                raise self._fail(FAIL_TIMEOUT, detail="no response headers before the first-token deadline") from None
+            except aiohttp.ClientError as e:
+                raise self._fail(FAIL_GARBAGE, detail=f"bad HTTP response: {type(e).__name__}") from None
+            self._resp = resp
+            self.headers = dict(resp.headers)
+            if resp.status == 429:
+                raise self._fail(FAIL_BUSY, status=429)
+            if resp.status != 200:
+                raise self._fail(FAIL_HTTP, status=resp.status, detail=f"HTTP {resp.status}")
+            if resp.content_type != "text/event-stream":
+                raise self._fail(FAIL_GARBAGE, status=200, detail=f"content type {resp.content_type!r}")
+        except UpstreamError:
+            raise
+        except BaseException:
+            # cancelled (client gone, shutdown) or an unexpected bug: still exactly one measurement
+            self._finish(CLIENT_DISCONNECT)
+            raise
+
+    # -- streaming -------------------------------------------------------------------------------
+
+    def __aiter__(self) -> UpstreamStream:
+        return self
+
+    async def __anext__(self) -> ChunkInfo:
+        while True:
+            if self._pending:
+                return self._pending.popleft()
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                raise StopAsyncIteration
+            await self._fill()
+
+    def _next_deadline(self) -> float:
+        t = self._tmo
+        if self.content_started:
+            deadline = self._last_event + t.stall
+        else:
+            deadline = self.t0 + t.first_token
+        return min(deadline, self.t0 + t.total)
+
+    async def _fill(self) -> None:
+        assert self._resp is not None
+        remaining = self._next_deadline() - self._loop.time()
+        if remaining <= 0:
+            self._fail(FAIL_TIMEOUT, detail="stalled" if self.content_started else "no first token")
+            return
+        try:
+            async with asyncio.timeout(remaining):
+                data = await self._resp.content.readany()
+        except TimeoutError:
+            self._fail(FAIL_TIMEOUT, detail="stalled" if self.content_started else "no first token")
+            return
+        except (aiohttp.ClientError, ConnectionError) as e:
+            self._fail(FAIL_DROPPED, detail=type(e).__name__)
+            return
+        if not data:
+            self._on_eof()
+            return
+        try:
+            events = self._parser.feed(data)
+        except SSEGarbage as e:
+            self._fail(FAIL_GARBAGE, detail=str(e))
+            return
+        for ev in events:
+            if not self._on_event(ev):
+                return
+
+    def _on_event(self, data: str) -> bool:
+        """Handle one event; False when the stream ended (done or failed)."""
+        if data.strip() == DONE:
+            if self.tokens == 0:
+                self._fail(FAIL_EMPTY, detail="[DONE] without content")
+            else:
+                self._finish(None)
+            return False
+        try:
+            chunk = parse_chunk(data, self._max_content)
+        except SSEErrorEvent as e:
+            self._fail(FAIL_DROPPED, detail=str(e))
+            return False
+        except SSEGarbage as e:
+            self._fail(FAIL_GARBAGE, detail=str(e))
+            return False
+        now = self._loop.time()
+        self._last_event = now
+        if chunk.content:
+            if self.tokens >= self.max_tokens:
+                self._fail(FAIL_OVERLONG, detail=f"more than max_tokens={self.max_tokens} tokens")
+                return False
+            self.tokens += 1
+            if self.ttft_s is None:
+                self.ttft_s = now - self.t0
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        self._pending.append(chunk)
+        return True
+
+    def _on_eof(self) -> None:
+        if self.finish_reason is not None and self.tokens > 0:
+            self._finish(None)  # finished but forgot [DONE]: the answer is complete
+        elif self.finish_reason is not None:
+            self._fail(FAIL_EMPTY, detail="finished without content")
+        else:
+            self._fail(FAIL_DROPPED, detail="stream ended before finish")
+
+    # -- closing ---------------------------------------------------------------------------------
+
+    def close(self, reason: str = CLIENT_DISCONNECT) -> None:
+        """Stop now (no-op when already finished): the miner connection is closed, its slot freed."""
+        if not self.finished:
+            self._finish(reason)
+
+    async def __aenter__(self) -> UpstreamStream:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.close(CLIENT_DISCONNECT)
