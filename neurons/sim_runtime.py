@@ -1,0 +1,321 @@
+"""A simulated RTX 5090 inference runtime: OpenAI chat-completion SSE frames with a card's timing.
+
+The local subnet, the tests and the soak runs need miners that behave like a real card under load
+without a GPU. The load model is a handful of parameters (:class:`CardProfile`); the timing comes
+from real ``asyncio`` sleeps, so the validator measures it exactly as it would a real card.
+
+Load model (all durations divided by ``time_scale``):
+
+* TTFT = queued prefill of others + own prefill (``prompt_tokens / prefill_tok_s``) + ``base_ttft_s``
+  + ``ttft_per_stream_s`` x (other streams active at arrival), times a small jitter, plus ``hang_s``.
+  Prefill is serial on the card: a request arriving while others are still prefilling waits for them.
+* Decode: every active stream (prefilling or decoding) shares the card. One stream decodes at
+  ``single_tok_s`` (440 tok/s); with n >= 2 each gets ``aggregate_tok_s / n`` (300 tok/s in total).
+  The rate is recomputed every tick, so it follows streams joining and leaving.
+
+Cheap on a 2-core machine: one sleep per tick (``tick_s`` of real time, not scaled: a compressed run
+emits more tokens per tick instead of waking more often); the tokens due in a tick are written as
+separate chunks in one ``yield``. Tokens accrue from the time actually elapsed, so a late wake-up
+under load does not lower the rate.
+
+Example::
+
+    rt = SimulatedRuntime(parse_profile("rtx5090:time_scale=10"), rng=random.Random(0))
+    async for frames in rt.stream({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}):
+        print(frames.decode(), end="")     # data: {...chat.completion.chunk...}\\n\\n ... data: [DONE]\\n\\n
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+DEFAULT_MAX_TOKENS = 256
+
+_VOCAB = (
+    "the of and to in is that for it as with was on be by this are from or at an which have not had "
+    "they you but all were we there can been one their has more will would so if its some other into "
+    "time only new could these two may first then do any like my now over such our man me even most "
+    "made after also did many before must through back years where much your way well down should "
+    "because each just those people how too little state good very make world still own see men work "
+    "long get here between both life being under never day same another know while last might us great "
+    "old year off come since against go came right used take three card token stream model gradient "
+    "tensor kernel memory cache batch decode prefill latency signal network miner validator subnet"
+).split()
+
+
+class RuntimeFailure(Exception):
+    """The runtime could not serve a request; the miner maps it to a clean OpenAI-shaped error.
+
+    Raised before the first frame it becomes an HTTP error with ``status``; raised mid-stream it
+    becomes an SSE ``error`` event and the stream ends without ``[DONE]``.
+    """
+
+    def __init__(self, message: str, *, status: int = 502, type: str = "upstream_error",
+                 code: str = "runtime_failed", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+class Runtime(Protocol):
+    """What the miner needs from an inference backend (simulated or a proxied vLLM/SGLang/llama-server)."""
+
+    name: str
+
+    @property
+    def active(self) -> int: ...
+
+    def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CardProfile:
+    """The load model of one card, plus fault knobs for tests (probabilities are per request)."""
+
+    name: str = "rtx5090"
+    base_ttft_s: float = 0.45
+    prefill_tok_s: float = 24000.0
+    ttft_per_stream_s: float = 0.02  # each other active stream adds this much to a new request's TTFT
+    single_tok_s: float = 440.0
+    aggregate_tok_s: float = 300.0  # total decode throughput once 2+ streams share the card
+    jitter: float = 0.03  # relative std of a per-request factor on TTFT and decode rate
+    time_scale: float = 1.0
+    tick_s: float = 0.015  # real seconds between writes while decoding
+    max_completion_tokens: int = 4096  # like a runtime's context limit: longer requests are clamped
+    stop_rate: float = 0.1  # chance of finishing with "stop" between 50 % and 100 % of max_tokens
+    # fault knobs
+    fail_rate: float = 0.0  # refuse before the first byte (HTTP 500)
+    hang_s: float = 0.0  # extra wait before the first token
+    drop_after_tokens: int = 0  # > 0: end the stream abruptly after this many tokens (no finish, no [DONE])
+    garbage: float = 0.0  # chance of an invalid-JSON frame after the first token
+    overlong: float = 0.0  # chance of ignoring max_tokens (25 % more tokens, at least 8)
+    nan_usage: float = 0.0  # chance of NaN in the usage chunk
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"CardProfile.{f.name} must be finite, got {v!r}")
+        positive = ("base_ttft_s", "prefill_tok_s", "single_tok_s", "aggregate_tok_s", "time_scale", "tick_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CardProfile.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("ttft_per_stream_s", "jitter", "hang_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CardProfile.{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("stop_rate", "fail_rate", "garbage", "overlong", "nan_usage"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"CardProfile.{name} is a probability in [0, 1], got {getattr(self, name)!r}")
+        if self.max_completion_tokens < 1 or self.drop_after_tokens < 0:
+            raise ValueError("max_completion_tokens must be >= 1 and drop_after_tokens >= 0")
+
+    def per_stream_tok_s(self, n: int) -> float:
+        """Simulated decode rate of each of ``n`` streams sharing the card."""
+        if n <= 1:
+            return self.single_tok_s
+        return self.aggregate_tok_s / n
+
+    def ttft_s(self, prompt_tokens: int, others: int, queued_prefill_s: float = 0.0) -> float:
+        """Simulated TTFT without jitter or hang, for a request arriving with ``others`` streams active."""
+        prefill = prompt_tokens / self.prefill_tok_s
+        return queued_prefill_s + prefill + self.base_ttft_s + self.ttft_per_stream_s * others
+
+
+PROFILES: dict[str, CardProfile] = {
+    "rtx5090": CardProfile(),
+    "rtx5090-slow": CardProfile(name="rtx5090-slow", base_ttft_s=0.9, prefill_tok_s=12000.0,
+                                single_tok_s=220.0, aggregate_tok_s=150.0),
+    "rtx5090-flaky": CardProfile(name="rtx5090-flaky", fail_rate=0.05, garbage=0.02),
+}
+
+
+def _coerce(name: str, raw: str) -> int | float:
+    """Overrides take the type of the field's default (``int`` or ``float``)."""
+    return int(raw) if isinstance(getattr(CardProfile(), name), int) else float(raw)
+
+
+def parse_profile(spec: str) -> CardProfile:
+    """``"rtx5090"`` or ``"rtx5090-slow:time_scale=10,fail_rate=0.1"`` -> a :class:`CardProfile`."""
+    name, _, overrides = spec.strip().partition(":")
+    if name not in PROFILES:
+        raise ValueError(f"unknown card profile {name!r}; known: {', '.join(sorted(PROFILES))}")
+    base = PROFILES[name]
+    if not overrides.strip():
+        return base
+    fields = {f.name for f in dataclasses.fields(CardProfile)}
+    changes: dict[str, Any] = {}
+    for item in overrides.split(","):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or key not in fields or key == "name":
+            raise ValueError(f"bad profile override {item!r}; expected key=value with key one of "
+                             f"{', '.join(k for k in fields if k != 'name')}")
+        try:
+            changes[key] = _coerce(key, raw.strip())
+        except ValueError:
+            raise ValueError(f"profile override {key}={raw!r} is not a number") from None
+    return dataclasses.replace(base, **changes)
+
+
+def estimate_prompt_tokens(messages: Any) -> int:
+    """About one token per four characters of message text (str content or text parts)."""
+    chars = 0
+    if isinstance(messages, list):
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+    return max(1, round(chars / 4))
+
+
+def requested_max_tokens(payload: dict[str, Any], default: int = DEFAULT_MAX_TOKENS) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = payload.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return default
+
+
+class _Frames:
+    """Pre-rendered chunk templates for one response: a token frame costs one ``json.dumps`` of a word."""
+
+    def __init__(self, model: str) -> None:
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model = model
+        head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": model}
+        self._head = json.dumps(head, separators=(",", ":"))[:-1]  # without the closing brace
+        self._tok_prefix = ("data: " + self._head + ',"choices":[{"index":0,"delta":{"content":').encode()
+        self._tok_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def _chunk(self, extra: dict[str, Any], allow_nan: bool = False) -> bytes:
+        body = json.dumps(extra, separators=(",", ":"), allow_nan=allow_nan)[1:]
+        return ("data: " + self._head + "," + body + "\n\n").encode()
+
+    def prelude(self) -> bytes:
+        return self._chunk({"choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                                         "finish_reason": None}]})
+
+    def token(self, text: str) -> bytes:
+        return self._tok_prefix + json.dumps(text).encode() + self._tok_suffix
+
+    def finish(self, reason: str) -> bytes:
+        return self._chunk({"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}]})
+
+    def usage(self, prompt: float, completion: float) -> bytes:
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return self._chunk({"choices": [], "usage": usage}, allow_nan=True)
+
+
+GARBAGE_FRAME = b'data: {"object": "chat.completion.chunk", "choices": [{"delta": {"content": \xff\xfe\n\n'
+DONE_FRAME = b"data: [DONE]\n\n"
+
+
+class SimulatedRuntime:
+    """One simulated card shared by all the streams it serves."""
+
+    def __init__(self, profile: CardProfile, rng: random.Random | None = None) -> None:
+        self.profile = profile
+        self.name = f"sim:{profile.name}"
+        self._rng = rng if rng is not None else random.Random()
+        self._active = 0
+        self._prefill_free_at = 0.0  # loop time when the card's prefill queue drains
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def _factor(self) -> float:
+        j = self.profile.jitter
+        return max(0.5, 1.0 + self._rng.gauss(0.0, j)) if j > 0 else 1.0
+
+    def _word(self, first: bool) -> str:
+        w = self._rng.choice(_VOCAB)
+        return w.capitalize() if first else " " + w
+
+    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
+        p = self.profile
+        rng = self._rng
+        if p.fail_rate > 0 and rng.random() < p.fail_rate:
+            raise RuntimeFailure("simulated runtime failure", status=500, type="server_error", code="sim_failure")
+        loop = asyncio.get_running_loop()
+        ts = p.time_scale
+        prompt_tokens = estimate_prompt_tokens(payload.get("messages"))
+        max_tokens = requested_max_tokens(payload)
+        total = min(max_tokens, p.max_completion_tokens)
+        finish = "length"
+        if rng.random() < p.overlong:
+            total = max_tokens + max(8, max_tokens // 4)
+        elif p.stop_rate > 0 and rng.random() < p.stop_rate:
+            total = max(1, int(total * rng.uniform(0.5, 1.0)))
+            finish = "stop"
+        drop_at = p.drop_after_tokens if p.drop_after_tokens > 0 else None
+        garbage = rng.random() < p.garbage
+        nan_usage = rng.random() < p.nan_usage
+        options = payload.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        model = payload.get("model") if isinstance(payload.get("model"), str) else f"sim/{p.name}"
+        frames = _Frames(model)
+
+        others = self._active
+        self._active += 1
+        try:
+            now = loop.time()
+            prefill_real = prompt_tokens / p.prefill_tok_s / ts
+            start = max(now, self._prefill_free_at)
+            self._prefill_free_at = start + prefill_real
+            queued_real = start - now
+            ttft_real = queued_real + (p.ttft_s(prompt_tokens, others) * self._factor() + p.hang_s) / ts
+            decode_factor = self._factor()
+            yield frames.prelude()
+            await asyncio.sleep(max(0.0, ttft_real - (loop.time() - now)))
+
+            out = [frames.token(self._word(True))]
+            emitted = 1
+            if garbage:
+                out.append(GARBAGE_FRAME)
+            yield b"".join(out)
+            last = loop.time()
+            owed = 0.0
+            stop_at = min(total, drop_at) if drop_at is not None else total
+            while emitted < stop_at:
+                rate = p.per_stream_tok_s(self._active) * decode_factor * ts  # real tokens per second
+                need = stop_at - emitted - owed
+                await asyncio.sleep(min(p.tick_s, max(0.0, need / rate)))
+                now = loop.time()
+                owed += (now - last) * rate
+                last = now
+                k = min(int(owed), stop_at - emitted)
+                if k <= 0:
+                    continue
+                owed -= k
+                emitted += k
+                yield b"".join(frames.token(self._word(False)) for _ in range(k))
+            if drop_at is not None and emitted >= drop_at:
+                return  # abrupt end: no finish_reason, no [DONE]
+            tail = [frames.finish(finish)]
+            if include_usage:
+                tail.append(frames.usage(math.nan if nan_usage else prompt_tokens, emitted))
+            tail.append(DONE_FRAME)
+            yield b"".join(tail)
+        finally:
+            self._active -= 1
