@@ -1,0 +1,338 @@
+"""Durable scoring state in one SQLite file: settlement history, routing credits, last weights.
+
+Why SQLite: each closed round is written in a single transaction (WAL, ``synchronous=FULL``), so a
+``kill -9`` at any instant loses at most the round being written, never half of one and never the
+history before it. The schema version lives in ``PRAGMA user_version``. A file that cannot be
+read raises :class:`CorruptStateError` and a file from a newer release raises
+:class:`NewerSchemaError`; both name the path and what to do. State is never reset silently:
+losing settlement history changes what miners are paid.
+
+Example::
+
+    store = ScoreStore("/var/lib/tensorgate/validator.sqlite")   # or a directory: <dir>/scoring.sqlite
+    idx = store.next_round_index()
+    store.save_round(StoredRound(idx, ended_at=time.time(), miners=[StoredMiner("5F...", uid=3, score=0.9)]),
+                     routing={"5F...": 0.9})
+    store.load_rounds(limit=12)        # oldest first
+    store.record_weights(block=4_200_000, weights={3: 1.0})
+    store.close()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loguru import logger
+
+SCHEMA_VERSION = 1
+DEFAULT_FILENAME = "scoring.sqlite"
+
+_SCHEMA = """
+CREATE TABLE rounds (
+    idx INTEGER PRIMARY KEY,
+    ended_at REAL NOT NULL
+);
+CREATE TABLE round_miners (
+    idx INTEGER NOT NULL REFERENCES rounds(idx) ON DELETE CASCADE,
+    hotkey TEXT NOT NULL,
+    uid INTEGER NOT NULL,
+    requests INTEGER NOT NULL,
+    measured INTEGER NOT NULL,
+    score REAL NOT NULL,
+    credit_sum REAL NOT NULL,
+    ttft_p50 REAL,
+    ttft_p95 REAL,
+    failures TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (idx, hotkey)
+);
+CREATE TABLE routing (
+    hotkey TEXT PRIMARY KEY,
+    uid INTEGER,
+    score REAL NOT NULL
+);
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+_TABLES = frozenset({"rounds", "round_miners", "routing", "meta"})
+
+
+class StateError(Exception):
+    """The state file cannot be used as it is. The message says which file and what to do."""
+
+    def __init__(self, path: Path, problem: str, remedy: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {problem}. {remedy}")
+
+
+class CorruptStateError(StateError):
+    """The file is not a readable tensorgate scoring database."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(
+            path,
+            problem,
+            "Move the file (and any -wal/-shm beside it) aside to start with no settlement history, "
+            "or restore it from a backup; it is not reset automatically.",
+        )
+
+
+class NewerSchemaError(StateError):
+    """The file was written by a newer release with a schema this one does not know."""
+
+    def __init__(self, path: Path, found: int) -> None:
+        super().__init__(
+            path,
+            f"schema version {found} is newer than this release understands ({SCHEMA_VERSION})",
+            "Run the newer tensorgate release, or point --state-dir at another directory.",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMiner:
+    """One miner's line in one settled round."""
+
+    hotkey: str
+    uid: int
+    score: float  # the round score settlement averages (mean credit of measured requests)
+    requests: int = 0
+    measured: int = 0
+    credit_sum: float = 0.0
+    ttft_p50: float | None = None
+    ttft_p95: float | None = None
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRound:
+    index: int
+    ended_at: float
+    miners: list[StoredMiner] = field(default_factory=list)
+
+    def scores(self) -> dict[str, float]:
+        return {m.hotkey: m.score for m in self.miners}
+
+
+@dataclass(frozen=True, slots=True)
+class StoredWeights:
+    block: int
+    at: float
+    weights: dict[int, float]
+
+
+def _opt_float(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+class ScoreStore:
+    """The scoring database. One connection, used from one thread (the validator's event loop).
+
+    ``path`` is the database file, or an existing directory (the file is then ``scoring.sqlite``
+    in it). ``keep_rounds`` bounds the history kept on disk; only the last window is ever loaded.
+    """
+
+    def __init__(self, path: str | Path, *, keep_rounds: int = 2000) -> None:
+        p = Path(path).expanduser()
+        if p.is_dir():
+            p = p / DEFAULT_FILENAME
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self.path = p
+        self.keep_rounds = max(1, keep_rounds)
+        self._conn = self._open()
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+        except sqlite3.Error as e:
+            raise CorruptStateError(self.path, f"cannot open the database ({e})") from e
+        try:
+            self._check_and_migrate(conn)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _check_and_migrate(self, conn: sqlite3.Connection) -> None:
+        try:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                raise NewerSchemaError(self.path, version)
+            check = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
+            if check != ["ok"]:
+                raise CorruptStateError(self.path, f"integrity check failed: {'; '.join(check[:3])}")
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.DatabaseError as e:
+            raise CorruptStateError(self.path, f"not a readable SQLite database ({e})") from e
+        if version == 0:
+            if tables:
+                raise CorruptStateError(
+                    self.path, f"an SQLite file with unknown tables {sorted(tables)} and no tensorgate schema"
+                )
+            with self._tx(conn):
+                conn.executescript("BEGIN;" + _SCHEMA + f"PRAGMA user_version = {SCHEMA_VERSION};")
+            logger.info("scoring state: created {} (schema {})", self.path, SCHEMA_VERSION)
+            return
+        missing = _TABLES - tables
+        if missing:
+            raise CorruptStateError(self.path, f"schema {version} but tables {sorted(missing)} are missing")
+
+    @contextmanager
+    def _tx(self, conn: sqlite3.Connection | None = None, begin: bool = False) -> Iterator[sqlite3.Connection]:
+        """One transaction: committed on success, rolled back on any exception."""
+        c = conn or self._conn
+        if begin:
+            c.execute("BEGIN IMMEDIATE")
+        try:
+            yield c
+        except BaseException:
+            if c.in_transaction:
+                c.rollback()
+            raise
+        else:
+            if c.in_transaction:
+                c.commit()
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        try:
+            yield self._conn
+        except sqlite3.DatabaseError as e:
+            raise CorruptStateError(self.path, f"unreadable while loading ({e})") from e
+        except (ValueError, TypeError) as e:
+            raise CorruptStateError(self.path, f"a stored value is malformed ({e})") from e
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    def next_round_index(self) -> int:
+        with self._reading() as c:
+            row = c.execute("SELECT MAX(idx) FROM rounds").fetchone()
+        return 1 if row[0] is None else int(row[0]) + 1
+
+    def save_round(
+        self,
+        rnd: StoredRound,
+        routing: Mapping[str, float],
+        routing_uids: Mapping[str, int] | None = None,
+    ) -> None:
+        """Persist one closed round and the routing credits republished with it, atomically."""
+        uids = routing_uids or {}
+        rows = [
+            (
+                rnd.index, m.hotkey, int(m.uid), int(m.requests), int(m.measured), float(m.score),
+                float(m.credit_sum), _opt_float(m.ttft_p50), _opt_float(m.ttft_p95),
+                json.dumps(dict(m.failures), sort_keys=True),
+            )
+            for m in rnd.miners
+        ]
+        with self._tx(begin=True) as c:
+            c.execute("INSERT INTO rounds (idx, ended_at) VALUES (?, ?)", (rnd.index, float(rnd.ended_at)))
+            c.executemany(
+                "INSERT INTO round_miners (idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, "
+                "ttft_p95, failures) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            c.execute("DELETE FROM routing")
+            c.executemany(
+                "INSERT INTO routing (hotkey, uid, score) VALUES (?, ?, ?)",
+                [(hk, uids.get(hk), float(s)) for hk, s in routing.items()],
+            )
+            self._set_meta(c, "last_round_at", rnd.ended_at)
+            self._set_meta(c, "routing_at", rnd.ended_at)
+            c.execute("DELETE FROM rounds WHERE idx <= ?", (rnd.index - self.keep_rounds,))
+
+    def load_rounds(self, limit: int) -> list[StoredRound]:
+        """The last ``limit`` rounds, oldest first."""
+        with self._reading() as c:
+            heads = c.execute("SELECT idx, ended_at FROM rounds ORDER BY idx DESC LIMIT ?", (limit,)).fetchall()
+            heads.reverse()
+            if not heads:
+                return []
+            by_idx: dict[int, list[StoredMiner]] = {int(i): [] for i, _ in heads}
+            for r in c.execute(
+                "SELECT idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, ttft_p95, failures "
+                "FROM round_miners WHERE idx >= ? ORDER BY idx, rowid",
+                (heads[0][0],),
+            ):
+                failures = json.loads(r[9])
+                if not isinstance(failures, dict):
+                    raise ValueError(f"failures of round {r[0]} is not a mapping")
+                by_idx[int(r[0])].append(
+                    StoredMiner(
+                        hotkey=str(r[1]), uid=int(r[2]), requests=int(r[3]), measured=int(r[4]),
+                        score=float(r[5]), credit_sum=float(r[6]),
+                        ttft_p50=None if r[7] is None else float(r[7]),
+                        ttft_p95=None if r[8] is None else float(r[8]),
+                        failures={str(k): int(v) for k, v in failures.items()},
+                    )
+                )
+            return [StoredRound(int(i), float(t), by_idx[int(i)]) for i, t in heads]
+
+    def last_round_at(self) -> float | None:
+        v = self._get_meta("last_round_at")
+        return None if v is None else float(v)
+
+    def routing_credits(self) -> tuple[dict[str, float], float | None]:
+        """The routing credits saved with the last round, and when they were saved."""
+        with self._reading() as c:
+            scores = {str(hk): float(s) for hk, s in c.execute("SELECT hotkey, score FROM routing")}
+        at = self._get_meta("routing_at")
+        return scores, (None if at is None else float(at))
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def record_weights(self, block: int, weights: Mapping[int, float], at: float | None = None) -> None:
+        """Remember the last weights set on chain (block, wall time, the weights)."""
+        payload = json.dumps({str(uid): float(w) for uid, w in weights.items()}, sort_keys=True)
+        with self._tx(begin=True) as c:
+            self._set_meta(c, "weights_block", int(block))
+            self._set_meta(c, "weights_at", time.time() if at is None else float(at))
+            self._set_meta(c, "weights", payload)
+
+    def last_weights(self) -> StoredWeights | None:
+        block = self._get_meta("weights_block")
+        if block is None:
+            return None
+        with self._reading():
+            at = float(self._get_meta("weights_at") or 0.0)
+            weights = {int(k): float(v) for k, v in json.loads(self._get_meta("weights") or "{}").items()}
+            return StoredWeights(block=int(block), at=at, weights=weights)
+
+    def last_weights_block(self) -> int | None:
+        w = self.last_weights()
+        return None if w is None else w.block
+
+    # -- meta and lifecycle ----------------------------------------------------------------------
+
+    @staticmethod
+    def _set_meta(c: sqlite3.Connection, key: str, value: float | int | str) -> None:
+        c.execute(
+            "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            (key, str(value)),
+        )
+
+    def _get_meta(self, key: str) -> str | None:
+        with self._reading() as c:
+            row = c.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> ScoreStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
