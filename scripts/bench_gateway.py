@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""What the gateway costs: added TTFT, throughput, CPU and memory against direct, nginx and LiteLLM.
+
+A fake upstream (own process, several loopback ports, one miner hotkey each) streams a fixed
+schedule, so whatever a path adds over "direct" is the proxy's. The same client harness drives every
+path at each concurrency, the paths interleaved per level so background load hits them alike:
+
+* ``direct``  — straight to the fake miners (round-robin over the ports): the floor;
+* ``nginx``   — Debian's nginx, ``least_conn``, ``proxy_buffering off``, keep-alive upstreams;
+* ``litellm`` — the LiteLLM proxy from PyPI (own venv in ``.bench/``), least-busy over the same ports;
+* ``gateway`` — this project's gateway in its own process, real routing, btauth signing (verified by
+  the fake miners, and checked afterwards from their counters) and measurement.
+
+Run from the repo root after ``pip install -e '.[test]'``::
+
+    .venv/bin/python scripts/bench_gateway.py --smoke          # seconds: tiny numbers, prints the tables
+    .venv/bin/python scripts/bench_gateway.py --install        # full run; installs nginx / LiteLLM if missing
+    .venv/bin/python scripts/bench_gateway.py --paths direct,gateway --concurrency 1,64
+
+Targets checked at 64 concurrent streams: gateway added TTFT <= 1 ms p50 and <= 5 ms p99; gateway added
+latency <= 1.5x nginx's; LiteLLM's added latency >= 5x the gateway's. Exit status is 0 unless the run
+broke (or ``--strict`` and a target missed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+import urllib.request
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_lib import peers  # noqa: E402
+from bench_lib.clients import LevelResult, chat_body, run_level  # noqa: E402
+from bench_lib.fake_upstream import validator_keypair  # noqa: E402
+from bench_lib.procs import Child, cpu_seconds, peak_rss_bytes, tree  # noqa: E402
+from bench_lib.stats import percentile, table, verdict  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ALL_PATHS = ("direct", "nginx", "litellm", "gateway")
+TARGET_C = 64
+GATEWAY_KEY = "sk-bench-gateway"
+
+
+@dataclass
+class Path_:
+    """One way to reach the fake miners."""
+
+    name: str
+    urls: list[str]
+    headers: dict[str, str]
+    pid: int | None  # the proxy process (tree) to account; None for direct
+
+
+@dataclass
+class Row:
+    path: str
+    concurrency: int
+    result: LevelResult
+    cpu_s: float | None
+    peak_rss: int | None
+
+    def ttft(self, q: float) -> float:
+        return percentile(self.result.ttfts_ms(), q)
+
+    def total(self, q: float) -> float:
+        return percentile(self.result.totals_ms(), q)
+
+    @property
+    def cpu_ms_per_req(self) -> float | None:
+        n = len(self.result.ok)
+        return None if self.cpu_s is None or n == 0 else self.cpu_s * 1000.0 / n
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    doc = __doc__ or ""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny numbers (seconds): concurrency 1,4, few requests")
+    p.add_argument("--paths", default=",".join(ALL_PATHS), help="comma list among " + ",".join(ALL_PATHS))
+    p.add_argument("--concurrency", default="1,16,64,256", help="comma list of concurrent streams")
+    p.add_argument("--requests", type=int, default=0, help="timed requests per level (0: max(200, 4*concurrency))")
+    p.add_argument("--warmup", type=int, default=16, help="untimed requests per path and level first")
+    p.add_argument("--ports", type=int, default=4, help="fake miner ports")
+    p.add_argument("--ttft-ms", type=float, default=50.0, help="fake miner delay before the first token")
+    p.add_argument("--tokens", type=int, default=32, help="tokens per completion")
+    p.add_argument("--interval-ms", type=float, default=20.0, help="fake miner time between tokens")
+    p.add_argument("--install", action="store_true", help="apt-get install nginx / make the LiteLLM venv if missing")
+    p.add_argument("--workdir", default=None, help="where peer configs and logs go (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target misses")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.concurrency = "1,4" if a.concurrency == p.get_default("concurrency") else a.concurrency
+        a.requests = a.requests or 12
+        a.warmup = min(a.warmup, 2)
+        a.tokens, a.ttft_ms, a.interval_ms = 4, 10.0, 2.0
+        if a.paths == p.get_default("paths"):
+            a.paths = "direct,nginx,gateway"  # LiteLLM takes ~10 s to boot: ask for it explicitly
+    a.path_list = [x.strip() for x in a.paths.split(",") if x.strip()]
+    bad = set(a.path_list) - set(ALL_PATHS)
+    if bad:
+        p.error(f"unknown path(s): {', '.join(sorted(bad))}")
+    a.levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
+    if not a.levels or min(a.levels) < 1:
+        p.error("--concurrency needs positive integers")
+    return a
+
+
+def _health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def start_paths(a: argparse.Namespace, stack: ExitStack, workdir: Path) -> tuple[dict[str, Path_], list[int]]:
+    py = sys.executable
+    v = validator_keypair().ss58_address
+    slots = 1024
+    up = stack.enter_context(Child([py, str(HERE / "bench_lib" / "fake_upstream.py"), "--ports", str(a.ports),
+                                    "--ttft-ms", str(a.ttft_ms), "--tokens", str(a.tokens), "--interval-ms",
+                                    str(a.interval_ms), "--slots", str(slots), "--trusted", v, "--allow-unsigned"],
+                                   name="fake-upstream", log_path=workdir / "upstream.log"))
+    info = up.wait_ready()
+    ports: list[int] = info["ports"]
+    chat = "/v1/chat/completions"
+    out: dict[str, Path_] = {}
+    for name in a.path_list:
+        if name == "direct":
+            out[name] = Path_(name, [f"http://127.0.0.1:{p}{chat}" for p in ports], {}, None)
+        elif name == "nginx":
+            if peers.nginx_binary() is None and a.install:
+                peers.install_nginx()
+            if peers.nginx_binary() is None:
+                print(f"[skip] nginx: not installed; run with --install or: {peers.NGINX_INSTALL_CMD}", flush=True)
+                continue
+            child, port = stack.enter_context(peers.start_nginx(ports, workdir / "nginx"))
+            out[name] = Path_(name, [f"http://127.0.0.1:{port}{chat}"], {}, child.pid)
+        elif name == "litellm":
+            if peers.litellm_binary() is None and a.install:
+                peers.install_litellm()
+            if peers.litellm_binary() is None:
+                print(f"[skip] litellm: not installed; run with --install or: {peers.LITELLM_INSTALL_CMD}",
+                      flush=True)
+                continue
+            try:
+                child, port, key = stack.enter_context(peers.start_litellm(ports, workdir / "litellm"))
+            except RuntimeError as e:
+                print(f"[skip] litellm: did not start: {str(e)[-500:]}", flush=True)
+                continue
+            out[name] = Path_(name, [f"http://127.0.0.1:{port}{chat}"], {"Authorization": f"Bearer {key}"}, child.pid)
+        elif name == "gateway":
+            argv = [py, str(HERE / "bench_lib" / "gateway_proc.py"), "--key", GATEWAY_KEY, "--model", "bench"]
+            for p, h in zip(ports, info["hotkeys"], strict=True):
+                argv += ["--miner", f"127.0.0.1:{p}={h}={slots}"]
+            gw = stack.enter_context(Child(argv, name="gateway", log_path=workdir / "gateway.log"))
+            g = gw.wait_ready()
+            out[name] = Path_(name, [f"http://127.0.0.1:{g['port']}{chat}"], {"Authorization": f"Bearer {GATEWAY_KEY}"},
+                              gw.pid)
+    return out, ports
+
+
+def measure(a: argparse.Namespace, paths: dict[str, Path_]) -> list[Row]:
+    rows: list[Row] = []
+    body = chat_body(a.tokens)
+    for c in a.levels:
+        n = a.requests or max(200, 4 * c)
+        for name in ALL_PATHS:
+            path = paths.get(name)
+            if path is None:
+                continue
+            pids = tree(path.pid) if path.pid else []
+            if a.warmup:
+                asyncio.run(run_level(path.urls, concurrency=c, requests=a.warmup, body=body,
+                                      headers=path.headers, expect_tokens=a.tokens))
+            cpu0 = cpu_seconds(pids) if pids else None
+            res = asyncio.run(run_level(path.urls, concurrency=c, requests=n, body=body, headers=path.headers,
+                                        expect_tokens=a.tokens))
+            cpu = cpu_seconds(pids) - cpu0 if cpu0 is not None else None
+            rss = peak_rss_bytes(tree(path.pid)) if path.pid else None
+            rows.append(Row(name, c, res, cpu, rss))
+            err = f"  first error: {res.first_error()}" if res.errors else ""
+            print(f"  {name:8s} c={c:<4d} n={len(res.samples):<5d} ok={len(res.ok):<5d} "
+                  f"ttft p50={percentile(res.ttfts_ms(), 50):7.2f} ms  rps={res.rps:7.1f}{err}", flush=True)
+    return rows
+
+
+def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | None, str]], dict]:
+    direct = {r.concurrency: r for r in rows if r.path == "direct"}
+    headers = ["path", "conc", "ok", "err", "ttft p50", "ttft p99", "+ttft p50", "+ttft p99", "+total p50",
+               "req/s", "cpu ms/req", "peak RSS MB"]
+    body = []
+    added: dict[tuple[str, int], tuple[float, float]] = {}
+    for r in rows:
+        d = direct.get(r.concurrency)
+        a50 = r.ttft(50) - d.ttft(50) if d else math.nan
+        a99 = r.ttft(99) - d.ttft(99) if d else math.nan
+        t50 = r.total(50) - d.total(50) if d else math.nan
+        added[(r.path, r.concurrency)] = (a50, a99)
+        body.append([r.path, r.concurrency, len(r.result.ok), r.result.errors, r.ttft(50), r.ttft(99),
+                     a50 if r.path != "direct" else None, a99 if r.path != "direct" else None,
+                     t50 if r.path != "direct" else None, r.result.rps, r.cpu_ms_per_req,
+                     None if r.peak_rss is None else r.peak_rss / 2**20])
+    print("\n== per path and concurrency (ms; '+' = added over direct at the same concurrency) ==")
+    print(table(headers, body))
+
+    ratio_rows = []
+    for c in levels:
+        g = added.get(("gateway", c))
+        n = added.get(("nginx", c))
+        ll = added.get(("litellm", c))
+        ratio_rows.append([c, _ratio(g, n), _ratio(ll, g)])
+    print("\n== ratios of added TTFT p50 (floored at 0.05 ms so noise around zero cannot explode them) ==")
+    print(table(["conc", "gateway/nginx", "litellm/gateway"], ratio_rows))
+
+    checks: list[tuple[str, bool | None, str]] = []
+    g = added.get(("gateway", TARGET_C))
+    n = added.get(("nginx", TARGET_C))
+    ll = added.get(("litellm", TARGET_C))
+    if g is None or "direct" not in {r.path for r in rows}:
+        checks.append((f"targets at {TARGET_C} streams", None, "not measured (need direct and gateway at "
+                       f"--concurrency including {TARGET_C})"))
+    else:
+        checks.append((f"gateway added TTFT p50 <= 1 ms at {TARGET_C}", g[0] <= 1.0, f"{g[0]:.2f} ms"))
+        checks.append((f"gateway added TTFT p99 <= 5 ms at {TARGET_C}", g[1] <= 5.0, f"{g[1]:.2f} ms"))
+        if n is None:
+            checks.append(("gateway added <= 1.5x nginx", None, "nginx not measured"))
+        else:
+            r = _ratio(g, n)
+            checks.append(("gateway added <= 1.5x nginx", r <= 1.5, f"{g[0]:.2f} vs {n[0]:.2f} ms = {r:.1f}x"))
+        if ll is None:
+            checks.append(("litellm added >= 5x gateway", None, "LiteLLM not measured"))
+        else:
+            r = _ratio(ll, g)
+            checks.append(("litellm added >= 5x gateway", r >= 5.0, f"{ll[0]:.2f} vs {g[0]:.2f} ms = {r:.1f}x"))
+    print("\n== targets ==")
+    for name, ok, detail in checks:
+        print(f"{'SKIP' if ok is None else verdict(ok)}  {name}: {detail}")
+    data = {"rows": [{"path": r.path, "concurrency": r.concurrency, "ok": len(r.result.ok), "errors": r.result.errors,
+                      "ttft_p50_ms": r.ttft(50), "ttft_p99_ms": r.ttft(99), "total_p50_ms": r.total(50),
+                      "rps": r.result.rps, "cpu_ms_per_req": r.cpu_ms_per_req, "peak_rss_bytes": r.peak_rss}
+                     for r in rows],
+            "checks": [{"name": n_, "ok": ok, "detail": d} for n_, ok, d in checks]}
+    return checks, data
+
+
+def _ratio(num: tuple[float, float] | None, den: tuple[float, float] | None, floor: float = 0.05) -> float:
+    if num is None or den is None or math.isnan(num[0]) or math.isnan(den[0]):
+        return math.nan
+    return max(num[0], floor) / max(den[0], floor)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    with ExitStack() as stack:
+        if a.workdir:
+            workdir = Path(a.workdir)
+            workdir.mkdir(parents=True, exist_ok=True)
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-bench-")))
+        print(f"schedule: first token after {a.ttft_ms:g} ms, {a.tokens} tokens every {a.interval_ms:g} ms; "
+              f"{a.ports} fake miners; levels {a.levels}", flush=True)
+        paths, ports = start_paths(a, stack, workdir)
+        if "direct" not in paths:
+            print("[warn] no direct path: added figures cannot be computed", flush=True)
+        verified0 = sum(_health(p)["verified"] for p in ports)
+        rows = measure(a, paths)
+        verified = sum(_health(p)["verified"] for p in ports) - verified0
+        rejected = sum(_health(p)["rejected"] for p in ports)
+    checks, data = report(rows, a.levels)
+    gw_requests = sum(len(r.result.samples) for r in rows if r.path == "gateway")
+    if "gateway" in paths:
+        signed_ok = rejected == 0 and verified >= sum(len(r.result.ok) for r in rows if r.path == "gateway")
+        print(f"{verdict(signed_ok)}  btauth: fake miners verified {verified} signed requests "
+              f"({gw_requests} timed gateway requests + warm-up), rejected {rejected}")
+        checks.append(("btauth verified", signed_ok, f"{verified} verified, {rejected} rejected"))
+    errors = sum(r.result.errors for r in rows)
+    print(f"{verdict(errors == 0)}  client errors: {errors}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(data, indent=2))
+    broken = errors > 0 or any(ok is False for n_, ok, _ in checks if n_ == "btauth verified")
+    if broken:
+        return 2
+    if a.strict and any(ok is False for _, ok, _ in checks):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""The tensorgate gateway as a standalone process over given miner ports, for the benchmarks.
+
+Real routing (``gateway.router.Router``, weighted-random least-in-flight), real signing
+(``RequestSigner`` with btauth, one receiver hotkey per miner) and real measurement (``Upstream``
+recording into a ``MeasurementQueue`` that is drained twice a second, as the validator's scorer
+would consume it). It runs in its own process so its CPU and RSS can be read from ``/proc``.
+
+Prints ``READY {"port": ..., "pid": ...}`` once listening; exits when killed, when its parent dies,
+or after ``--max-seconds``::
+
+    python scripts/bench_lib/gateway_proc.py --miner 127.0.0.1:8091=5F... --miner 127.0.0.1:8092=5G... \
+        --key sk-bench --model bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import aiohttp
+from loguru import logger
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_lib
+
+from bench_lib.fake_upstream import validator_keypair  # noqa: E402
+from gateway.measurement import MeasurementQueue  # noqa: E402
+from gateway.router import Candidate, Router  # noqa: E402
+from gateway.server import Gateway, GatewayConfig  # noqa: E402
+from gateway.signing import RequestSigner  # noqa: E402
+from gateway.upstream import Upstream  # noqa: E402
+
+
+def parse_miner(spec: str, uid: int) -> Candidate:
+    """``HOST:PORT=SS58`` (``=SLOTS`` optional at the end) as a router candidate."""
+    parts = spec.split("=")
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"bad --miner {spec!r}: want HOST:PORT=SS58[=SLOTS]")
+    slots = int(parts[2]) if len(parts) == 3 else 1
+    return Candidate(uid=uid, hotkey=parts[1], endpoint=parts[0], slots=slots)
+
+
+async def serve(candidates: list[Candidate], key: str, models: list[str], seed: int, max_seconds: float,
+                drain_every: float) -> None:
+    parent = os.getppid()
+    router = Router(rng=random.Random(seed))
+    router.sync(candidates)
+    sink = MeasurementQueue()
+    drained = 0
+    cfg = GatewayConfig.from_sources(port=0, keys=[key], models=models, env={})
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        gw = Gateway(cfg, router, Upstream(session, RequestSigner(validator_keypair()), sink))
+        await gw.start()
+        try:
+            print("READY " + json.dumps({"port": gw.port, "pid": os.getpid()}), flush=True)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + max_seconds
+            while os.getppid() == parent and loop.time() < end:
+                await asyncio.sleep(drain_every)
+                drained += len(sink.drain())
+        finally:
+            await gw.stop()
+            logger.info("gateway bench process done: {} measurements drained, {} overflowed",
+                        drained + len(sink), sink.overflowed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Run the tensorgate gateway over fixed miners (benchmark helper).")
+    p.add_argument("--miner", action="append", required=True, help="HOST:PORT=SS58[=SLOTS] (repeatable)")
+    p.add_argument("--key", default="sk-bench", help="the API key clients send as a bearer token")
+    p.add_argument("--model", action="append", default=None, help="served model name (repeatable)")
+    p.add_argument("--seed", type=int, default=7, help="router RNG seed")
+    p.add_argument("--drain-every", type=float, default=0.5, help="seconds between measurement-queue drains")
+    p.add_argument("--log-level", default="WARNING", help="loguru level on stderr")
+    p.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long regardless")
+    a = p.parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level=a.log_level)
+    cands = [parse_miner(spec, uid) for uid, spec in enumerate(a.miner)]
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(cands, a.key, a.model or ["bench"], a.seed, a.max_seconds, a.drain_every))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
