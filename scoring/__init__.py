@@ -1,0 +1,36 @@
+"""Scoring: per-request credit, rounds, trailing settlement, weights and their persistence.
+
+Example::
+
+    from scoring import CreditConfig, Scorer, ScoreStore
+    scorer = Scorer(CreditConfig(), ScoreStore("/tmp/tensorgate-state"), window=12)
+"""
+
+from scoring.credit import CreditConfig, decode_credit, expected_rate, request_credit, ttft_credit
+from scoring.rounds import MinerRound, RoundAccumulator
+from scoring.scorer import MinerReport, RoundReport, Scorer
+from scoring.settlement import Settlement
+from scoring.store import CorruptStateError, NewerSchemaError, ScoreStore, StateError, StoredMiner, StoredRound
+from scoring.weights import compute_weights, why_empty
+
+__all__ = [
+    "CorruptStateError",
+    "CreditConfig",
+    "MinerReport",
+    "MinerRound",
+    "NewerSchemaError",
+    "RoundAccumulator",
+    "RoundReport",
+    "ScoreStore",
+    "Scorer",
+    "Settlement",
+    "StateError",
+    "StoredMiner",
+    "StoredRound",
+    "compute_weights",
+    "decode_credit",
+    "expected_rate",
+    "request_credit",
+    "ttft_credit",
+    "why_empty",
+]

@@ -1,0 +1,220 @@
+"""The scorer: measurements in, round reports, routing credits and weights out.
+
+It is the gateway's :class:`~gateway.measurement.MeasurementSink`: ``record`` folds a measurement
+into the round in progress in O(1) and never raises into the serving path. ``close_round`` turns
+the round into a :class:`RoundReport`, pushes it into the trailing :class:`Settlement` and persists
+it (one transaction) when a store is attached.
+
+Routing scores, republished each round: a miner with requests in the round just closed is routed
+by that round's score (the freshest evidence, so a card that slows down loses traffic within one
+round); a miner with settled history but no requests this round is routed by its settled value,
+which decays while it stays unmeasured (a miner that settled at 0 stays at 0) until it drops out
+of the window; it is then routed at the router's prior again, like any unmeasured miner. Probes
+reach every miner each round, so a miner routed at 0 still gets re-measured.
+
+Restore on start: with a store whose last round ended less than ``restore_max_age_s`` ago, the
+settlement window and the routing credits come back, so miners measured recently are routable at
+once. The downtime is not turned into rounds: rounds the validator did not run are neither paid nor
+counted. An older store is left on disk but not used for settlement or routing.
+
+Example::
+
+    scorer = Scorer(CreditConfig(), ScoreStore(state_dir), window=12)
+    scorer.record(measurement)                    # from the gateway, per request
+    report = scorer.close_round(time.time())      # every round
+    router.set_scores(scorer.routing_scores())
+    weights = scorer.weights(hotkey_to_uid)       # {uid: weight}; empty -> do not set weights
+    print(report.format_table(weights=weights))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from loguru import logger
+
+from gateway.measurement import Measurement
+from scoring.credit import CreditConfig
+from scoring.rounds import RoundAccumulator
+from scoring.settlement import Settlement
+from scoring.store import ScoreStore, StoredMiner, StoredRound
+from scoring.weights import compute_weights, why_empty
+
+
+@dataclass(frozen=True, slots=True)
+class MinerReport:
+    """One row of a round report."""
+
+    uid: int
+    hotkey: str
+    requests: int
+    measured: int
+    ttft_p50: float | None
+    ttft_p95: float | None
+    credit: float  # mean credit this round (the round score)
+    settled: float  # trailing-window score after this round
+    failures: dict[str, int] = field(default_factory=dict)
+    probes: int = 0
+    organic: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """What one closed round produced: rows for miners with requests or settled history."""
+
+    index: int
+    ended_at: float
+    rows: list[MinerReport]
+    dropped: int = 0  # measurements that could not be recorded (should stay 0)
+
+    def by_hotkey(self) -> dict[str, MinerReport]:
+        return {r.hotkey: r for r in self.rows}
+
+    def format_table(self, weights: Mapping[int, float] | None = None) -> str:
+        """A fixed-width table, one miner per line, for the per-round log."""
+        w = weights or {}
+        head = f"{'uid':>5} {'hotkey':<12} {'req':>5} {'meas':>5} {'ttft50':>7} {'ttft95':>7} " \
+               f"{'credit':>6} {'settled':>7} {'weight':>6}  failures"
+        lines = [f"round {self.index}: {len(self.rows)} miners", head]
+        for r in sorted(self.rows, key=lambda r: (r.uid, r.hotkey)):
+            fails = ",".join(f"{k}={v}" for k, v in sorted(r.failures.items())) or "-"
+            weight = f"{w[r.uid]:6.3f}" if r.uid in w else f"{'-':>6}"
+            lines.append(
+                f"{r.uid:>5} {_short(r.hotkey):<12} {r.requests:>5} {r.measured:>5} {_secs(r.ttft_p50):>7} "
+                f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {weight}  {fails}"
+            )
+        if self.dropped:
+            lines.append(f"({self.dropped} measurements could not be recorded)")
+        return "\n".join(lines)
+
+
+def _short(hotkey: str) -> str:
+    return hotkey if len(hotkey) <= 12 else f"{hotkey[:5]}..{hotkey[-5:]}"
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+class Scorer:
+    """Owns the round in progress, the settlement window and (optionally) their persistence."""
+
+    def __init__(
+        self,
+        config: CreditConfig | None = None,
+        store: ScoreStore | None = None,
+        window: int = 12,
+        clock: Callable[[], float] = time.time,
+        *,
+        restore_max_age_s: float = 3600.0,
+    ) -> None:
+        self.config = config or CreditConfig()
+        self.store = store
+        self.clock = clock
+        self.restore_max_age_s = restore_max_age_s
+        self.settlement = Settlement(window)
+        self._round = RoundAccumulator(self.config)
+        self._routing: dict[str, float] = {}
+        self._uids: dict[str, int] = {}  # last uid seen per hotkey, for display
+        self._next_index = 1
+        self._dropped = 0
+        self.restored = False
+        if store is not None:
+            self._restore(store)
+
+    # -- restore ---------------------------------------------------------------------------------
+
+    def _restore(self, store: ScoreStore) -> None:
+        self._next_index = store.next_round_index()
+        last = store.last_round_at()
+        if last is None:
+            return
+        age = self.clock() - last
+        if age > self.restore_max_age_s:
+            logger.info("scoring state in {} is {:.0f} s old (> {:.0f} s): starting a fresh settlement window",
+                        store.path, age, self.restore_max_age_s)
+            return
+        rounds = store.load_rounds(self.settlement.window)
+        for r in rounds:
+            self.settlement.push(r.scores())
+            for m in r.miners:
+                self._uids[m.hotkey] = m.uid
+        routing, _ = store.routing_credits()
+        self._routing = routing
+        self.restored = True
+        logger.info("scoring state restored from {}: {} rounds, routing credits for {} miners ({:.0f} s old)",
+                    store.path, len(rounds), len(routing), age)
+
+    # -- the sink --------------------------------------------------------------------------------
+
+    def record(self, m: Measurement) -> None:
+        """Fold one measurement into the round in progress. Cheap; never raises."""
+        try:
+            self._round.add(m)
+        except Exception as e:  # a malformed measurement must not reach the serving path
+            self._dropped += 1
+            if self._dropped == 1 or self._dropped % 1000 == 0:
+                logger.warning("scorer: could not record a measurement ({} so far): {!r}", self._dropped, e)
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    def close_round(self, now: float | None = None) -> RoundReport:
+        """Close the round in progress: settle it, republish routing scores, persist it."""
+        ended_at = self.clock() if now is None else now
+        acc, self._round = self._round, RoundAccumulator(self.config)
+        dropped, self._dropped = self._dropped, 0
+        round_scores = acc.scores()
+        self.settlement.push(round_scores)
+        settled = self.settlement.settled()
+        for hk, row in acc.miners.items():
+            self._uids[hk] = row.uid
+        self._routing = {hk: s for hk, s in settled.items() if hk not in round_scores}
+        self._routing.update(round_scores)
+        self._uids = {hk: uid for hk, uid in self._uids.items() if hk in settled}
+
+        rows: list[MinerReport] = []
+        stored: list[StoredMiner] = []
+        for hk in sorted(settled):
+            row = acc.miners.get(hk)
+            uid = self._uids.get(hk, -1)
+            if row is None:
+                rows.append(MinerReport(uid, hk, 0, 0, None, None, 0.0, settled[hk]))
+                continue
+            p50, p95 = row.ttft_p50, row.ttft_p95
+            rows.append(MinerReport(uid, hk, row.requests, row.measured, p50, p95, row.score, settled[hk],
+                                    dict(row.failures), row.probes, row.organic))
+            stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
+                                      dict(row.failures)))
+        report = RoundReport(self._next_index, ended_at, rows, dropped)
+        if self.store is not None:
+            try:
+                self.store.save_round(StoredRound(self._next_index, ended_at, stored), self._routing, self._uids)
+            except Exception as e:  # keep scoring in memory; the next round tries again
+                logger.error("scoring state: could not save round {} to {}: {}", self._next_index, self.store.path, e)
+        self._next_index += 1
+        return report
+
+    # -- outputs ---------------------------------------------------------------------------------
+
+    def routing_scores(self) -> dict[str, float]:
+        """Routing credit per hotkey (see the module docstring for the policy)."""
+        return {hk: s for hk, s in self._routing.items() if math.isfinite(s)}
+
+    def settled(self) -> dict[str, float]:
+        return self.settlement.settled()
+
+    def weights(self, hotkey_to_uid: Mapping[str, int]) -> dict[int, float]:
+        """``{uid: weight}`` for the current metagraph; empty (with a logged reason) when nothing is payable."""
+        settled = self.settled()
+        w = compute_weights(settled, hotkey_to_uid)
+        if not w:
+            logger.debug("no weights: {}", why_empty(settled, hotkey_to_uid))
+        return w
+
+    @property
+    def pending(self) -> int:
+        """Miners with at least one request in the round in progress."""
+        return len(self._round)
