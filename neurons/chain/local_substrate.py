@@ -1,0 +1,899 @@
+"""A small local chain behind the bittensor SDK's ``bt.Substrate`` seam.
+
+No subtensor node can be had offline, so the local subnet runs the SDK's *real* client code (reads,
+``SetWeights`` conforming, rate-limit preflight, plaintext vs timelocked commit) over this stand-in.
+It models only what a validator touches: one or more subnets with neurons (hotkey, coldkey, axon,
+validator permit, stake), the weight hyperparameters, ``Weights`` rows, ``LastUpdate``, timelocked
+commits and the epoch schedule. Blocks come from a clock (no thread): the head is computed lazily
+from wall time, so a 0.25 s block time makes tests fast and 12 s mirrors finney.
+
+State lives in ``<state_dir>/local_chain.json`` (atomic tmp + rename after every change), so a
+restart keeps the subnet and a second process (``python -m neurons.weights``) can read it with
+``read_only=True``. One writer at a time is enforced with a lock file.
+
+Example::
+
+    import asyncio, bittensor as bt
+    from bittensor.sp_core import Keypair
+    from neurons.chain.local_substrate import LocalSubstrate
+
+    sub = LocalSubstrate.open("/tmp/chain", block_time=0.25)
+    sub.ensure_subnet(1, min_allowed_weights=1)
+    alice = Keypair.create_from_uri("//Alice")
+    sub.register(alice.ss58_address, alice.ss58_address, validator_permit=True, stake=1000.0)
+    sub.register("5FHneW46xGXgs5mUiveU4sbTyGBzmstUspZC92UhjJM694ty", "5FHne...", endpoint="127.0.0.1:8091")
+
+    async def main():
+        client = await bt.Subtensor("local", substrate=sub)
+        print(await client.execute(bt.SetWeights(1, weights={1: 1.0}), alice))
+        print(await client.weights.weights(1))      # {0: {1: 1.0}}
+    asyncio.run(main())
+
+Honest limits of the commit-reveal model: the SDK encrypts commits to a drand round, and drand
+signatures cannot be fetched offline, so this chain cannot decrypt a commit. Instead the committing
+side may leave the plaintext it conformed (:meth:`LocalSubstrate.expect_commit`, used by
+``LocalChain``); the commit is stored with its ciphertext and drand ``reveal_round`` as on chain,
+and is revealed by *epoch*: at the first epoch boundary ``reveal_period`` epochs after the commit's
+epoch (epochs fire where ``(block + netuid + 1) % (tempo + 1) == 0``), the plaintext is checked like
+a fresh ``set_weights`` and written to ``Weights``. A commit with no plaintext alongside (e.g. one
+made by another tool) is dropped at that boundary, the way the chain drops a commit it cannot
+decrypt. Block-pinned reads are served from head state (block hashes are labels only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import inspect
+import ipaddress
+import json
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bittensor import sp_core
+from bittensor._generated.errors import ERRORS
+from bittensor.balance import Balance
+from bittensor.result import ChainError, ExtrinsicResult
+from loguru import logger
+
+STATE_FILE = "local_chain.json"
+LOCK_FILE = "local_chain.lock"
+U16_MAX = 65535
+RAO_PER_UNIT = 10**9
+MECHANISM_STRIDE = 4096  # GLOBAL_MAX_SUBNET_COUNT: storage index = mechid * 4096 + netuid
+MAX_UNREVEALED_COMMITS = 10
+EXTRINSIC_LOG_LIMIT = 500
+_STATE_VERSION = 1
+_ERROR_DOCS = {info.name: info.docs for info in ERRORS.values()}
+
+
+class StateDirLocked(RuntimeError):
+    """Another process holds the local chain's state directory for writing."""
+
+
+class _Refused(Exception):
+    """A dispatch error: the extrinsic is included but fails, as on chain."""
+
+    def __init__(self, name: str, detail: str = "") -> None:
+        self.name = name
+        self.text = _ERROR_DOCS.get(name, name) + (f" ({detail})" if detail else "")
+        super().__init__(self.text)
+
+
+# -- state model ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Neuron:
+    hotkey: str
+    coldkey: str
+    ip: int = 0
+    port: int = 0
+    ip_type: int = 4
+    validator_permit: bool = False
+    stake_rao: int = 0
+    registered_at: int = 0
+    last_update: int = 0  # 0 = never set weights (the SDK's preflight and the chain skip the limit)
+
+
+@dataclass
+class Commit:
+    hotkey: str
+    commit_block: int
+    epoch: int
+    reveal_block: int
+    reveal_round: int
+    ciphertext: str  # 0x-hex, as the chain stores it
+    plaintext: dict[str, Any] | None = None  # {"uids", "values", "version_key"} when the committer left it
+
+
+@dataclass
+class Subnet:
+    netuid: int
+    tempo: int = 360
+    weights_rate_limit: int = 100
+    max_weights_limit: int = U16_MAX  # u16; the cap is this / 65535 of a row's sum
+    min_allowed_weights: int = 1
+    commit_reveal: bool = False
+    reveal_period: int = 1  # epochs
+    weights_version_key: int = 0
+    weights_min_stake_rao: int = 0
+    max_allowed_uids: int = 256
+    consensus: str = "Yuma"
+    name: str = "tensorgate-local"
+    symbol: str = "α"
+    registered_at: int = 0
+    owner_hotkey: str = ""
+    owner_coldkey: str = ""
+    neurons: list[Neuron] = field(default_factory=list)
+    weights: dict[int, list[list[int]]] = field(default_factory=dict)  # uid -> [[dest, u16], ...]
+    commits: list[Commit] = field(default_factory=list)
+
+    # Epoch schedule: the classic subtensor rule, an epoch at every block with
+    # (block + netuid + 1) % (tempo + 1) == 0; its index counts epochs since genesis.
+    def epoch_index(self, block: int) -> int:
+        return (block + self.netuid + 1) // (self.tempo + 1) if self.tempo > 0 else 0
+
+    def epoch_block(self, index: int) -> int:
+        return max(0, index * (self.tempo + 1) - self.netuid - 1)
+
+    def last_epoch_block(self, block: int) -> int:
+        index = self.epoch_index(block)
+        return self.epoch_block(index) if index > 0 else 0
+
+    def uid_of(self, hotkey: str) -> int | None:
+        for uid, n in enumerate(self.neurons):
+            if n.hotkey == hotkey:
+                return uid
+        return None
+
+
+@dataclass
+class _State:
+    anchor_block: int
+    anchor_time: float
+    block_time: float
+    last_block: int
+    subnets: dict[int, Subnet] = field(default_factory=dict)
+    extrinsics: list[dict[str, Any]] = field(default_factory=list)
+    nonces: dict[str, int] = field(default_factory=dict)
+    version: int = _STATE_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> _State:
+        subnets: dict[int, Subnet] = {}
+        for key, s in raw.get("subnets", {}).items():
+            s = dict(s)
+            neurons = [Neuron(**n) for n in s.pop("neurons", [])]
+            weights = {int(uid): [list(map(int, p)) for p in row] for uid, row in s.pop("weights", {}).items()}
+            commits = [Commit(**c) for c in s.pop("commits", [])]
+            subnets[int(key)] = Subnet(**s, neurons=neurons, weights=weights, commits=commits)
+        return cls(
+            anchor_block=int(raw["anchor_block"]), anchor_time=float(raw["anchor_time"]),
+            block_time=float(raw["block_time"]), last_block=int(raw["last_block"]), subnets=subnets,
+            extrinsics=list(raw.get("extrinsics", [])), nonces=dict(raw.get("nonces", {})),
+        )
+
+
+def parse_endpoint(endpoint: str | None) -> tuple[int, int, int]:
+    """``"ip:port"`` / ``"[v6]:port"`` -> (ip as int, port, ip_type); None -> nothing served."""
+    if not endpoint:
+        return 0, 0, 4
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"endpoint must be 'ip:port', got {endpoint!r}")
+    addr = ipaddress.ip_address(host.strip("[]"))
+    return int(addr), int(port), addr.version
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray):
+        return "0x" + bytes(value).hex()
+    return str(value)
+
+
+# -- the substrate ----------------------------------------------------------------------------------
+
+
+class LocalSubstrate:
+    """An in-process ``bt.Substrate``: a persistent, clock-driven local subnet chain.
+
+    Construct with :meth:`open`. Mutating helpers (``register``, ``set_hyperparameters``) are for the
+    local-subnet orchestrator; everything else is the SDK protocol.
+    """
+
+    def __init__(self, state_dir: Path, state: _State, *, clock: Callable[[], float], read_only: bool) -> None:
+        self.state_dir = state_dir
+        self.read_only = read_only
+        self.token_symbols: dict[int, str] = {}
+        self._state = state
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._lock_fd: int | None = None
+        self._stat: tuple[int, int] | None = None
+        self._plaintexts: dict[tuple[int, str], dict[str, Any]] = {}
+        self.default_netuid: int | None = None
+
+    # -- opening, persistence -------------------------------------------------------------------
+
+    @staticmethod
+    def find_state_dir(path: str | os.PathLike[str]) -> Path:
+        """The directory holding the state file: ``path`` itself or its ``chain/`` child."""
+        p = Path(path).expanduser()
+        if not (p / STATE_FILE).is_file() and (p / "chain" / STATE_FILE).is_file():
+            return p / "chain"
+        return p
+
+    @classmethod
+    def open(
+        cls,
+        state_dir: str | os.PathLike[str],
+        *,
+        block_time: float | None = None,
+        clock: Callable[[], float] = time.time,
+        read_only: bool = False,
+    ) -> LocalSubstrate:
+        """Open (or create) the chain stored in ``state_dir``.
+
+        ``block_time`` (seconds, default 12.0 for a new chain) re-anchors the clock at the current
+        block when it differs from the stored one, so blocks never go backwards. ``read_only``
+        opens an existing chain for reading from another process (it reloads on change, never writes).
+        """
+        path = Path(state_dir).expanduser()
+        if read_only:
+            path = cls.find_state_dir(path)
+            if not (path / STATE_FILE).is_file():
+                raise FileNotFoundError(f"no local chain in {path} (expected {path / STATE_FILE})")
+            sub = cls(path, cls._read(path), clock=clock, read_only=True)
+            sub._stat = sub._file_stat()
+            return sub
+        path.mkdir(parents=True, exist_ok=True)
+        now = clock()
+        if (path / STATE_FILE).is_file():
+            state = cls._read(path)
+        else:
+            state = _State(anchor_block=1, anchor_time=now, block_time=block_time or 12.0, last_block=1)
+        sub = cls(path, state, clock=clock, read_only=False)
+        sub._acquire()
+        if block_time is not None and block_time != state.block_time:
+            head = sub._head()
+            state.anchor_block, state.anchor_time, state.block_time = head, now, float(block_time)
+        sub._save()
+        return sub
+
+    @staticmethod
+    def _read(path: Path) -> _State:
+        return _State.from_json(json.loads((path / STATE_FILE).read_text()))
+
+    def _file_stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.state_dir / STATE_FILE)
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def _refresh(self) -> None:
+        """Readers pick up the writer's latest state (cheap stat per operation)."""
+        if not self.read_only:
+            return
+        stat = self._file_stat()
+        if stat is not None and stat != self._stat:
+            with contextlib.suppress(json.JSONDecodeError, FileNotFoundError):
+                self._state = self._read(self.state_dir)
+                self._stat = stat
+
+    def _acquire(self) -> None:
+        if self._lock_fd is not None:
+            return
+        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StateDirLocked(
+                f"{self.state_dir} is open for writing by another process; open it with read_only=True"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._lock_fd = fd
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _save(self) -> None:
+        if self.read_only:
+            return
+        if self._lock_fd is None:
+            raise ChainError(f"local chain {self.state_dir} is closed")
+        target = self.state_dir / STATE_FILE
+        tmp = target.with_name(f"{STATE_FILE}.{os.getpid()}.tmp")
+        data = json.dumps(self._state.to_json(), separators=(",", ":"), default=_jsonable)
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+
+    # -- clock ------------------------------------------------------------------------------------
+
+    def _head(self) -> int:
+        s = self._state
+        elapsed = max(0.0, self._clock() - s.anchor_time)
+        return max(s.last_block, s.anchor_block + int(elapsed // s.block_time))
+
+    def _tick(self) -> int:
+        """Advance to the clock's head, applying reveals due on the way; returns the head."""
+        self._refresh()
+        head = self._head()
+        if head != self._state.last_block:
+            self._state.last_block = head
+            if self._apply_reveals(head):
+                self._save()
+        return head
+
+    def _block_timestamp_ms(self, block: int) -> int:
+        s = self._state
+        return int((s.anchor_time + (block - s.anchor_block) * s.block_time) * 1000)
+
+    # -- orchestrator helpers ---------------------------------------------------------------------
+
+    def ensure_subnet(self, netuid: int, **hyperparameters: Any) -> Subnet:
+        """Create ``netuid`` if missing, then apply the given hyperparameters (see ``set_hyperparameters``)."""
+        with self._lock:
+            head = self._tick()
+            if netuid not in self._state.subnets:
+                self._state.subnets[netuid] = Subnet(netuid=netuid, registered_at=head)
+                logger.info("local chain: created subnet {} at block {}", netuid, head)
+            if self.default_netuid is None:
+                self.default_netuid = netuid
+            self.set_hyperparameters(netuid, **hyperparameters)
+            return self._state.subnets[netuid]
+
+    def set_hyperparameters(
+        self,
+        netuid: int | None = None,
+        *,
+        tempo: int | None = None,
+        weights_rate_limit: int | None = None,
+        max_weight_limit: float | None = None,
+        min_allowed_weights: int | None = None,
+        commit_reveal: bool | None = None,
+        reveal_period: int | None = None,
+        weights_version_key: int | None = None,
+        weights_min_stake: float | None = None,
+        max_allowed_uids: int | None = None,
+    ) -> None:
+        """Set subnet hyperparameters (the owner/sudo setters of the real chain). ``None`` keeps a value.
+
+        ``max_weight_limit`` is a fraction (0..1] of a row's sum; ``weights_min_stake`` is in alpha units.
+        """
+        with self._lock:
+            s = self._subnet_or_raise(netuid)
+            if max_weight_limit is not None and not 0.0 < max_weight_limit <= 1.0:
+                raise ValueError("max_weight_limit is a fraction in (0, 1]")
+            if tempo is not None and tempo < 1:
+                raise ValueError("tempo must be >= 1")
+            if reveal_period is not None and reveal_period < 1:
+                raise ValueError("reveal_period must be >= 1 epoch")
+            updates: dict[str, Any] = {
+                "tempo": tempo, "weights_rate_limit": weights_rate_limit,
+                "max_weights_limit": None if max_weight_limit is None else round(max_weight_limit * U16_MAX),
+                "min_allowed_weights": min_allowed_weights, "commit_reveal": commit_reveal,
+                "reveal_period": reveal_period, "weights_version_key": weights_version_key,
+                "weights_min_stake_rao": None if weights_min_stake is None else int(weights_min_stake * RAO_PER_UNIT),
+                "max_allowed_uids": max_allowed_uids,
+            }
+            for name, value in updates.items():
+                if value is not None:
+                    setattr(s, name, type(getattr(s, name))(value))
+            self._save()
+
+    def register(
+        self,
+        hotkey: str,
+        coldkey: str,
+        endpoint: str | None = "127.0.0.1:0",
+        validator_permit: bool = False,
+        stake: float = 0.0,
+        *,
+        netuid: int | None = None,
+    ) -> int:
+        """Register ``hotkey`` on the subnet and return its uid.
+
+        Re-registering a known hotkey keeps its uid and updates endpoint, permit and stake (a
+        restarted local subnet re-serves its miners on new ports). ``stake`` is in alpha units.
+        """
+        with self._lock:
+            head = self._tick()
+            s = self._subnet_or_raise(netuid)
+            ip, port, ip_type = parse_endpoint(endpoint)
+            uid = s.uid_of(hotkey)
+            if uid is None:
+                if len(s.neurons) >= s.max_allowed_uids:
+                    raise ChainError(f"subnet {s.netuid} is full ({s.max_allowed_uids} uids)")
+                s.neurons.append(Neuron(hotkey=hotkey, coldkey=coldkey, registered_at=head))
+                uid = len(s.neurons) - 1
+                if not s.owner_hotkey:
+                    s.owner_hotkey, s.owner_coldkey = hotkey, coldkey
+            n = s.neurons[uid]
+            n.coldkey, n.ip, n.port, n.ip_type = coldkey, ip, port, ip_type
+            n.validator_permit, n.stake_rao = bool(validator_permit), int(stake * RAO_PER_UNIT)
+            self._log(head, hotkey, "SubtensorModule.burned_register", True, f"uid {uid} on netuid {s.netuid}")
+            self._save()
+            return uid
+
+    def expect_commit(self, netuid: int, hotkey: str, uids: list[int], values: list[int], version_key: int = 0) -> None:
+        """Leave the plaintext of the next timelocked commit by ``hotkey`` (see the module docstring)."""
+        with self._lock:
+            self._plaintexts[(netuid, hotkey)] = {
+                "uids": [int(u) for u in uids], "values": [int(v) for v in values], "version_key": int(version_key),
+            }
+
+    def forget_commit(self, netuid: int, hotkey: str) -> None:
+        with self._lock:
+            self._plaintexts.pop((netuid, hotkey), None)
+
+    def subnet(self, netuid: int | None = None) -> Subnet:
+        """The live state of a subnet (read it; mutate only through the helpers)."""
+        with self._lock:
+            self._tick()
+            return self._subnet_or_raise(netuid)
+
+    def extrinsics(self, block: int | None = None) -> list[dict[str, Any]]:
+        """Applied extrinsics and reveals (most recent ``EXTRINSIC_LOG_LIMIT``), optionally of one block."""
+        with self._lock:
+            self._tick()
+            return [dict(e) for e in self._state.extrinsics if block is None or e["block"] == block]
+
+    def _subnet_or_raise(self, netuid: int | None) -> Subnet:
+        key = self.default_netuid if netuid is None else netuid
+        if key is None and len(self._state.subnets) == 1:
+            key = next(iter(self._state.subnets))
+        if key is None or key not in self._state.subnets:
+            raise ChainError(f"subnet {netuid} does not exist on the local chain", "SubnetNotExists")
+        return self._state.subnets[key]
+
+    def _log(self, block: int, signer: str, call: str, ok: bool, detail: str, events: list[dict] | None = None) -> int:
+        index = sum(1 for e in self._state.extrinsics if e["block"] == block)
+        self._state.extrinsics.append({
+            "block": block, "index": index, "signer": signer, "call": call, "ok": ok, "detail": detail,
+            "events": events or [],
+        })
+        del self._state.extrinsics[:-EXTRINSIC_LOG_LIMIT]
+        return index
+
+    # -- chain rules --------------------------------------------------------------------------------
+
+    def _set_weights(self, s: Subnet, hotkey: str, dests: list[int], values: list[int], version_key: int,
+                     block: int, *, reveal: bool) -> int:
+        """The chain's ``do_set_weights`` checks, in its order; writes the row. Returns the uid."""
+        if len(dests) != len(values):
+            raise _Refused("WeightVecNotEqualSize")
+        uid = s.uid_of(hotkey)
+        if uid is None:
+            raise _Refused("HotKeyNotRegisteredInSubNet", f"{hotkey} on netuid {s.netuid}")
+        n = s.neurons[uid]
+        if n.stake_rao < s.weights_min_stake_rao:
+            raise _Refused("NotEnoughStakeToSetWeights")
+        if version_key < s.weights_version_key:
+            raise _Refused("IncorrectWeightVersionKey", f"{version_key} < {s.weights_version_key}")
+        if not reveal and s.weights_rate_limit and n.last_update and block - n.last_update < s.weights_rate_limit:
+            raise _Refused("SettingWeightsTooFast",
+                           f"last set {block - n.last_update} blocks ago, limit {s.weights_rate_limit}")
+        is_self = dests == [uid]
+        if not is_self and not n.validator_permit:
+            raise _Refused("NeuronNoValidatorPermit")
+        if len(set(dests)) != len(dests):
+            raise _Refused("DuplicateUids")
+        if len(dests) > len(s.neurons):
+            raise _Refused("UidsLengthExceedUidsInSubNet")
+        if any(d < 0 or d >= len(s.neurons) for d in dests):
+            raise _Refused("UidVecContainInvalidOne")
+        if any(v < 0 or v > U16_MAX for v in values):
+            raise _Refused("MaxWeightExceeded", "values must be u16")
+        if not is_self and len(dests) < s.min_allowed_weights:
+            raise _Refused("WeightVecLengthIsLow", f"{len(dests)} < {s.min_allowed_weights}")
+        total = sum(values)
+        if total == 0:
+            raise _Refused("WeightVecLengthIsLow", "all weights are zero")
+        if not is_self and s.max_weights_limit < U16_MAX and not _max_limited(values, s.max_weights_limit):
+            raise _Refused("MaxWeightExceeded", f"max {max(values) / total:.6f} > {s.max_weights_limit / U16_MAX:.6f}")
+        top = max(values)
+        s.weights[uid] = [[d, round(v * U16_MAX / top)] for d, v in zip(dests, values, strict=True) if v]
+        if not reveal:
+            n.last_update = block
+        return uid
+
+    def _commit(self, s: Subnet, hotkey: str, commit: Any, reveal_round: int, block: int) -> int:
+        if not s.commit_reveal:
+            raise _Refused("CommitRevealDisabled")
+        uid = s.uid_of(hotkey)
+        if uid is None:
+            raise _Refused("HotKeyNotRegisteredInSubNet", f"{hotkey} on netuid {s.netuid}")
+        n = s.neurons[uid]
+        if s.weights_rate_limit and n.last_update and block - n.last_update < s.weights_rate_limit:
+            raise _Refused("CommittingWeightsTooFast",
+                           f"last set {block - n.last_update} blocks ago, limit {s.weights_rate_limit}")
+        if sum(1 for c in s.commits if c.hotkey == hotkey) >= MAX_UNREVEALED_COMMITS:
+            raise _Refused("TooManyUnrevealedCommits")
+        epoch = s.epoch_index(block)
+        ciphertext = _jsonable(commit) if isinstance(commit, bytes | bytearray) else str(commit)
+        s.commits.append(Commit(
+            hotkey=hotkey, commit_block=block, epoch=epoch, reveal_block=s.epoch_block(epoch + s.reveal_period),
+            reveal_round=int(reveal_round), ciphertext=ciphertext,
+            plaintext=self._plaintexts.pop((s.netuid, hotkey), None),
+        ))
+        n.last_update = block
+        return uid
+
+    def _apply_reveals(self, head: int) -> bool:
+        changed = False
+        for s in self._state.subnets.values():
+            due = sorted((c for c in s.commits if c.reveal_block <= head), key=lambda c: c.commit_block)
+            for c in due:
+                s.commits.remove(c)
+                changed = True
+                if c.plaintext is None:
+                    self._log(c.reveal_block, c.hotkey, "reveal", False,
+                              "commit has no local plaintext (drand is not reachable offline); dropped")
+                    continue
+                try:
+                    uid = self._set_weights(s, c.hotkey, c.plaintext["uids"], c.plaintext["values"],
+                                            c.plaintext["version_key"], c.reveal_block, reveal=True)
+                except _Refused as e:
+                    self._log(c.reveal_block, c.hotkey, "reveal", False, e.text)
+                else:
+                    self._log(c.reveal_block, c.hotkey, "reveal", True,
+                              f"uid {uid} weights revealed (committed at block {c.commit_block})",
+                              [_event("TimelockedWeightsRevealed", {"netuid": s.netuid, "hotkey": c.hotkey})])
+        return changed
+
+    # -- bt.Substrate: lifecycle, metadata ----------------------------------------------------------
+
+    def balance(self, rao: int, netuid: int = 0) -> Balance:
+        symbol = self.token_symbols.get(netuid) if netuid else None
+        return Balance(int(rao), netuid, symbol)
+
+    async def connect(self) -> None:
+        if not self.read_only:
+            self._acquire()  # no-op while held; re-takes the lock after release()
+
+    async def close(self) -> None:
+        """The SDK's lifecycle hook: flush. Several clients may share one substrate, so the writer
+        lock stays until its owner calls :meth:`release`."""
+        with self._lock:
+            if self._lock_fd is not None:
+                self._tick()
+                self._save()
+
+    def release(self) -> None:
+        """Flush and give up the writer lock (idempotent); another process may then open the chain."""
+        with self._lock:
+            if self._lock_fd is not None:
+                self._tick()
+                self._save()
+            self._release()
+
+    async def block_hash(self, block: int | None = None) -> str:
+        with self._lock:
+            number = self._tick() if block is None else int(block)
+        return f"0x{number:064x}"
+
+    async def block_number(self) -> int:
+        with self._lock:
+            return self._tick()
+
+    async def finalized_block_number(self) -> int:
+        return await self.block_number()  # instant finality
+
+    async def block_time(self) -> float:
+        return self._state.block_time
+
+    async def spec_version(self) -> int:
+        return 1
+
+    async def get_block(self, block_number: int | None = None, block_hash: str | None = None) -> dict | None:
+        with self._lock:
+            head = self._tick()
+            number = int(block_hash, 16) if block_hash else (head if block_number is None else int(block_number))
+            if number > head:
+                return None
+            extrinsics = [{"call": {"call_module": "Timestamp", "call_function": "set",
+                                    "call_args": [{"name": "now", "value": self._block_timestamp_ms(number)}]}}]
+            extrinsics += [{"call": {"call_module": e["call"].split(".")[0], "call_function": e["call"].split(".")[-1],
+                                     "call_args": []}, "signer": e["signer"]}
+                           for e in self._state.extrinsics if e["block"] == number and "." in e["call"]]
+            header = {"number": number, "hash": f"0x{number:064x}", "parentHash": f"0x{max(0, number - 1):064x}"}
+            return {"header": header, "extrinsics": extrinsics}
+
+    async def events(self, block_hash: str | None = None) -> list[dict]:
+        with self._lock:
+            number = int(block_hash, 16) if block_hash else self._tick()
+            return [{**ev, "extrinsic_idx": e["index"]} for e in self._state.extrinsics
+                    if e["block"] == number for ev in e["events"]]
+
+    async def blocks(self, *, finalized: bool = False) -> AsyncIterator[dict]:
+        """Yield each new head as the clock reaches it (sleeps, no polling thread)."""
+        last = await self.block_number()
+        while True:
+            await asyncio.sleep(max(0.01, self._state.block_time / 4))
+            head = await self.block_number()
+            for number in range(last + 1, head + 1):
+                yield {"header": {"number": number, "parentHash": f"0x{number - 1:064x}"}}
+            last = max(last, head)
+
+    # -- bt.Substrate: reads ------------------------------------------------------------------------
+
+    async def query(self, module: str, storage_function: str, params: list | None = None,
+                    block_hash: str | None = None) -> Any:
+        with self._lock:
+            head = self._tick()
+            return self._query(module, storage_function, list(params or []), head)
+
+    async def query_batch(self, module: str, storage_function: str, param_sets: list[list],
+                          block_hash: str | None = None) -> list[Any]:
+        with self._lock:
+            head = self._tick()
+            return [self._query(module, storage_function, list(p), head) for p in param_sets]
+
+    async def map_has_entries(self, module: str, storage_function: str, params: list,
+                              block_hash: str | None = None) -> bool:
+        return bool(await self.query_map(module, storage_function, params, block_hash))
+
+    async def query_map(self, module: str, storage_function: str, params: list | None = None,
+                        block_hash: str | None = None) -> list[tuple[Any, Any]]:
+        with self._lock:
+            self._tick()
+            return self._query_map(module, storage_function, list(params or []))
+
+    async def runtime_call(self, api: str, method: str, params: list, block_hash: str | None = None) -> Any:
+        with self._lock:
+            head = self._tick()
+            if api == "SubnetInfoRuntimeApi" and method == "get_metagraph":
+                s = self._state.subnets.get(int(params[0]))
+                return None if s is None else self._metagraph(s, head)
+            if api == "SubnetInfoRuntimeApi" and method == "get_next_epoch_start_block":
+                s = self._state.subnets.get(int(params[0]))
+                return None if s is None else s.epoch_block(s.epoch_index(head) + 1)
+            raise ChainError(f"the local chain does not implement runtime API {api}.{method}")
+
+    async def constant(self, module: str, name: str) -> Any:
+        raise ChainError(f"the local chain does not model constant {module}.{name}")
+
+    async def decode_scale(self, type_string: str, data: Any) -> Any:
+        raise ChainError("the local chain has no SCALE runtime metadata")
+
+    def _query(self, module: str, item: str, params: list, head: int) -> Any:
+        if module == "Timestamp" and item == "Now":
+            return self._block_timestamp_ms(head)
+        if module != "SubtensorModule":
+            raise ChainError(f"the local chain does not model {module}.{item}")
+        if item == "NetworksAdded":
+            return int(params[0]) in self._state.subnets
+        if item == "TokenSymbol":
+            s = self._state.subnets.get(int(params[0]))
+            return None if s is None else s.symbol.encode()
+        index = int(params[0]) if params else 0
+        if item in {"LastUpdate", "Weights", "TimelockedWeightCommits"}:
+            if index >= MECHANISM_STRIDE:  # only mechanism 0 is modelled
+                return None
+        s = self._state.subnets.get(index)
+        if s is None:
+            return None  # storage of a subnet that does not exist reads as empty
+        scalar = {
+            "Tempo": s.tempo, "WeightsSetRateLimit": s.weights_rate_limit, "MaxWeightsLimit": s.max_weights_limit,
+            "MinAllowedWeights": s.min_allowed_weights, "CommitRevealWeightsEnabled": s.commit_reveal,
+            "RevealPeriodEpochs": s.reveal_period, "WeightsVersionKey": s.weights_version_key,
+            "StakeThreshold": s.weights_min_stake_rao, "MaxAllowedUids": s.max_allowed_uids,
+            "SubnetworkN": len(s.neurons), "SubnetEpochConsensus": s.consensus,
+            "NetworkRegisteredAt": s.registered_at, "SubnetOwner": s.owner_coldkey,
+            "SubnetOwnerHotkey": s.owner_hotkey,
+            "LastEpochBlock": s.last_epoch_block(head), "SubnetEpochIndex": s.epoch_index(head),
+            "BlocksSinceLastStep": head - s.last_epoch_block(head), "PendingEpochAt": 0,
+            "LastUpdate": [n.last_update for n in s.neurons],
+            "ValidatorPermit": [n.validator_permit for n in s.neurons],
+            "Active": [True for _ in s.neurons],
+        }
+        if item in scalar:
+            return scalar[item]
+        if item == "Uids":
+            return s.uid_of(str(params[1]))
+        if item == "Keys":
+            uid = int(params[1])
+            return s.neurons[uid].hotkey if 0 <= uid < len(s.neurons) else None
+        if item == "Weights":
+            row = s.weights.get(int(params[1]))
+            return None if row is None else [tuple(p) for p in row]
+        raise ChainError(f"the local chain does not model SubtensorModule.{item}")
+
+    def _query_map(self, module: str, item: str, params: list) -> list[tuple[Any, Any]]:
+        if module != "SubtensorModule":
+            raise ChainError(f"the local chain does not model {module}.{item}")
+        subnets = self._state.subnets
+        if item == "TokenSymbol":
+            return [(netuid, s.symbol.encode()) for netuid, s in sorted(subnets.items())]
+        if item == "NetworksAdded":
+            return [(netuid, True) for netuid in sorted(subnets)]
+        if item == "Tempo":
+            return [(netuid, s.tempo) for netuid, s in sorted(subnets.items())]
+        index = int(params[0]) if params else -1
+        s = subnets.get(index)
+        if s is None:
+            return []
+        if item == "Weights":
+            return [(uid, [tuple(p) for p in row]) for uid, row in sorted(s.weights.items())]
+        if item == "TimelockedWeightCommits":
+            by_epoch: dict[int, list[tuple[str, int, str, int]]] = {}
+            for c in s.commits:
+                by_epoch.setdefault(c.epoch, []).append((c.hotkey, c.commit_block, c.ciphertext, c.reveal_round))
+            return sorted(by_epoch.items())
+        if item == "Uids":
+            return [(n.hotkey, uid) for uid, n in enumerate(s.neurons)]
+        if item == "Keys":
+            return [(uid, n.hotkey) for uid, n in enumerate(s.neurons)]
+        raise ChainError(f"the local chain does not model the map SubtensorModule.{item}")
+
+    def _metagraph(self, s: Subnet, head: int) -> dict[str, Any]:
+        ns = s.neurons
+        zeros = [0 for _ in ns]
+        last_step = s.last_epoch_block(head)
+        return {
+            "netuid": s.netuid, "name": list(s.name.encode()), "symbol": list(s.symbol.encode()),
+            "identity": None, "network_registered_at": s.registered_at,
+            "owner_hotkey": s.owner_hotkey, "owner_coldkey": s.owner_coldkey,
+            "block": head, "tempo": s.tempo, "last_step": last_step, "blocks_since_last_step": head - last_step,
+            "num_uids": len(ns), "max_uids": s.max_allowed_uids,
+            "hotkeys": [n.hotkey for n in ns], "coldkeys": [n.coldkey for n in ns], "identities": [None for _ in ns],
+            "axons": [{"block": n.registered_at, "version": 1, "ip": n.ip, "port": n.port, "ip_type": n.ip_type,
+                       "protocol": 4, "placeholder1": 0, "placeholder2": 0} for n in ns],
+            "active": [True for _ in ns], "validator_permit": [n.validator_permit for n in ns],
+            "last_update": [n.last_update for n in ns], "block_at_registration": [n.registered_at for n in ns],
+            "alpha_stake": [n.stake_rao for n in ns], "tao_stake": zeros, "total_stake": [n.stake_rao for n in ns],
+            "emission": zeros, "rank": zeros, "trust": zeros, "consensus": zeros, "incentives": zeros,
+            "dividends": zeros, "pruning_score": zeros, "validator_trust": zeros,
+        }
+
+    # -- bt.Substrate: calls, fees, submission ------------------------------------------------------
+
+    async def compose(self, call: Any) -> Any:
+        return call  # a generated Call(module, function, params) is already all this chain needs
+
+    async def estimate_fee(self, call: Any, keypair: Any) -> Balance:
+        return Balance.from_rao(0)
+
+    async def estimate_weight(self, call: Any, keypair: Any) -> dict:
+        return {"ref_time": 0, "proof_size": 0}
+
+    async def account_next_index(self, address: str) -> int:
+        with self._lock:
+            self._refresh()
+            return int(self._state.nonces.get(address, 0))
+
+    async def mev_next_key(self) -> bytes | None:
+        return None
+
+    async def submit(self, call: Any, keypair: Any, *, nonce: int | None = None, period: int | None = 64,
+                     wait_for_inclusion: bool = True, wait_for_finalization: bool = True) -> ExtrinsicResult:
+        """Check the signature, then apply the call in the head block with the chain's rules."""
+        if self.read_only:
+            raise ChainError("this local chain was opened read-only")
+        module, function, params = call
+        address = keypair.ss58_address
+        payload = json.dumps([module, function, params, nonce], sort_keys=True, default=_jsonable).encode()
+        signature = keypair.sign(payload)
+        if inspect.isawaitable(signature):
+            signature = await signature
+        if not sp_core.verify(payload, bytes(signature), address, getattr(keypair, "crypto_type", 1)):
+            return ExtrinsicResult(success=False, message="Invalid signature (BadProof)",
+                                   error=ChainError("Invalid signature", "BadProof"))
+        with self._lock:
+            head = self._tick()
+            self._state.nonces[address] = self._state.nonces.get(address, 0) + 1
+            name = f"{module}.{function}"
+            try:
+                events = self._dispatch(module, function, dict(params), address, head)
+            except _Refused as e:
+                index = self._log(head, address, name, False, f"{e.name}: {e.text}")
+                self._save()
+                logger.debug("local chain: {} by {} failed at block {}: {}", name, address, head, e.text)
+                return ExtrinsicResult(success=False, message=e.text, block_hash=f"0x{head:064x}",
+                                       extrinsic_id=f"{head}-{index:04d}", error=ChainError(e.text, e.name))
+            index = self._log(head, address, name, True, _summary(function, params), events)
+            self._save()
+        return ExtrinsicResult(success=True, message="Success", block_hash=f"0x{head:064x}",
+                               extrinsic_id=f"{head}-{index:04d}", fee=Balance.from_rao(0),
+                               events=[{**ev, "extrinsic_idx": index} for ev in events])
+
+    def _dispatch(self, module: str, function: str, p: dict[str, Any], signer: str, head: int) -> list[dict]:
+        if module != "SubtensorModule":
+            raise _Refused("CallFiltered", f"the local chain does not implement {module}.{function}")
+        netuid = int(p.get("netuid", -1))
+        s = self._state.subnets.get(netuid)
+        if s is None:
+            raise _Refused("SubnetNotExists", f"netuid {netuid}")
+        if int(p.get("mecid", 0)) != 0:
+            raise _Refused("MechanismDoesNotExist", "the local chain models mechanism 0 only")
+        if function in {"set_mechanism_weights", "set_weights"}:
+            if s.commit_reveal:
+                raise _Refused("CommitRevealEnabled")
+            dests = [int(d) for d in p["dests"]]
+            values = [int(v) for v in p["weights"]]
+            uid = self._set_weights(s, signer, dests, values, int(p.get("version_key", 0)), head, reveal=False)
+            return [_event("WeightsSet", {"netuid": netuid, "uid": uid})]
+        if function in {"commit_timelocked_mechanism_weights", "commit_timelocked_weights"}:
+            uid = self._commit(s, signer, p["commit"], int(p["reveal_round"]), head)
+            return [_event("TimelockedWeightsCommitted", {"netuid": netuid, "hotkey": signer,
+                                                          "reveal_round": int(p["reveal_round"])})]
+        if function in {"serve_axon", "serve_axon_tls"}:
+            uid = s.uid_of(signer)
+            if uid is None:
+                raise _Refused("HotKeyNotRegisteredInNetwork")
+            n = s.neurons[uid]
+            n.ip, n.port, n.ip_type = int(p["ip"]), int(p["port"]), int(p.get("ip_type", 4))
+            return [_event("AxonServed", {"netuid": netuid, "hotkey": signer})]
+        raise _Refused("CallFiltered", f"the local chain does not implement {module}.{function}")
+
+    # -- bt.Substrate: the rest of the protocol (not modelled) --------------------------------------
+
+    async def sign_extrinsic(self, call: Any, keypair: Any, *, nonce: int, period: int) -> tuple[bytes, str]:
+        raise ChainError("the local chain does not support MEV-shielded submission")
+
+    async def find_extrinsic(self, extrinsic_hash: str, block_hash: str) -> ExtrinsicResult | None:
+        return None
+
+    async def prepare(self, call: Any, *, address: str, crypto_type: int = 1, nonce: int | None = None,
+                      period: int | None = 64, tip: int = 0, metadata_hash: bytes | None = None) -> Any:
+        raise ChainError("the local chain does not support out-of-process signing")
+
+    async def submit_signature(self, unsigned: Any, signature: bytes | str, *, wait_for_inclusion: bool = True,
+                               wait_for_finalization: bool = True) -> ExtrinsicResult:
+        raise ChainError("the local chain does not support out-of-process signing")
+
+    async def submit_signed(self, extrinsic: Any, keypair: Any, *, wait_for_inclusion: bool = True,
+                            wait_for_finalization: bool = True) -> ExtrinsicResult:
+        raise ChainError("the local chain does not support pre-signed extrinsics")
+
+    def multisig_account(self, signatories: list[str], threshold: int) -> Any:
+        raise ChainError("the local chain does not support multisig")
+
+    async def submit_multisig(self, call: Any, keypair: Any, multisig_account: Any, *,
+                              wait_for_inclusion: bool = True, wait_for_finalization: bool = True) -> ExtrinsicResult:
+        raise ChainError("the local chain does not support multisig")
+
+    def __del__(self) -> None:
+        if getattr(self, "_lock_fd", None) is not None:
+            self._release()
+
+
+def _max_limited(values: list[int], limit: int) -> bool:
+    """The chain's ``check_vec_max_limited`` in its own I32F32 arithmetic (32 fractional bits,
+    divisions truncate): ``max(v) / sum(v) <= limit / 65535``. Exact rationals would be stricter than
+    the chain and refuse weights it accepts."""
+    one = 1 << 32
+    return (max(values) * one) // sum(values) <= (limit * one) // U16_MAX
+
+
+def _event(event_id: str, attributes: dict[str, Any]) -> dict[str, Any]:
+    return {"event": {"module_id": "SubtensorModule", "event_id": event_id, "attributes": attributes}}
+
+
+def _summary(function: str, params: Any) -> str:
+    p = dict(params)
+    if "dests" in p:
+        return f"{len(p['dests'])} weights on netuid {p.get('netuid')}"
+    if "reveal_round" in p:
+        return f"timelocked commit on netuid {p.get('netuid')}, drand round {p['reveal_round']}"
+    return f"netuid {p.get('netuid')}"
