@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from pathlib import Path
 
 import pytest
 from bittensor import calls
 from bittensor.sp_core import Keypair
+from loguru import logger
 
 from neurons.chain import (
     ChainUnavailable,
@@ -304,10 +306,39 @@ async def test_unreachable_network_is_a_clear_error(tmp_path: Path) -> None:
 
 
 async def test_blocks_follow_the_real_clock(tmp_path: Path) -> None:
-    sub = LocalSubstrate.open(tmp_path, block_time=0.05)
+    chain = LocalChain.open(tmp_path, NETUID, VALI, block_time=0.05)
     try:
-        first = await sub.block_number()
+        client = await chain.client()
+        first = await chain.block()
         await asyncio.sleep(0.2)
-        assert await sub.block_number() >= first + 3  # 4 blocks of 50 ms have passed, at least
+        assert await chain.block() >= first + 3  # 4 blocks of 50 ms have passed, at least
+        # The SDK's subscription-based wait runs over the substrate's block stream.
+        head = await asyncio.wait_for(client.wait_for_block(first + 8), timeout=10)
+        assert head.number >= first + 8
+    finally:
+        await chain.close()
+
+
+def test_sdk_logging_goes_to_loguru(tmp_path: Path) -> None:
+    seen: list[str] = []
+    LocalSubstrate.open(tmp_path, block_time=BLOCK).release()
+    SubtensorChain("local", NETUID, VALI, state_dir=tmp_path)  # constructing one installs the handler
+    sink = logger.add(lambda m: seen.append(m.record["message"]), level="WARNING")
+    try:
+        logging.getLogger("bittensor.transport").warning("endpoint %s dropped", "ws://x")
+    finally:
+        logger.remove(sink)
+    assert seen == ["bittensor.transport: endpoint ws://x dropped"]
+
+
+def test_register_rejects_bad_addresses(tmp_path: Path, clock: FakeClock) -> None:
+    sub = LocalSubstrate.open(tmp_path, block_time=BLOCK, clock=clock)
+    try:
+        sub.ensure_subnet(NETUID)
+        with pytest.raises(ValueError, match="ss58"):
+            sub.register("not-a-key", VALI.ss58_address)
+        with pytest.raises(ValueError, match="ip:port"):
+            sub.register(VALI.ss58_address, VALI.ss58_address, endpoint="localhost")
+        assert sub.subnet(NETUID).neurons == []
     finally:
         sub.release()

@@ -21,7 +21,8 @@ Example::
     sub.ensure_subnet(1, min_allowed_weights=1)
     alice = Keypair.create_from_uri("//Alice")
     sub.register(alice.ss58_address, alice.ss58_address, validator_permit=True, stake=1000.0)
-    sub.register("5FHneW46xGXgs5mUiveU4sbTyGBzmstUspZC92UhjJM694ty", "5FHne...", endpoint="127.0.0.1:8091")
+    bob = Keypair.create_from_uri("//Bob").ss58_address
+    sub.register(bob, bob, endpoint="127.0.0.1:8091")
 
     async def main():
         client = await bt.Subtensor("local", substrate=sub)
@@ -416,6 +417,11 @@ class LocalSubstrate:
         Re-registering a known hotkey keeps its uid and updates endpoint, permit and stake (a
         restarted local subnet re-serves its miners on new ports). ``stake`` is in alpha units.
         """
+        for address in (hotkey, coldkey):
+            try:
+                sp_core.ss58_decode(address)
+            except Exception as e:
+                raise ValueError(f"not an ss58 address: {address!r}") from e
         with self._lock:
             head = self._tick()
             s = self._subnet_or_raise(netuid)

@@ -94,8 +94,11 @@ def use_token_symbols_cache(state_dir: Path | None) -> None:
 
 def hotkey_address(wallet: Any) -> str:
     """The ss58 of the key that signs weights: a ``bt.Wallet``'s hotkey, or the Keypair itself."""
-    for attr in ("hotkeypub", "hotkey"):
-        key = getattr(wallet, attr, None)
+    for attr in ("hotkeypub", "hotkey"):  # hotkeypub first: it needs no private key file
+        try:
+            key = getattr(wallet, attr, None)
+        except Exception:  # a bt.Wallet raises when that key file is missing
+            continue
         if key is not None and hasattr(key, "ss58_address"):
             return str(key.ss58_address)
     if hasattr(wallet, "ss58_address"):
