@@ -1,0 +1,114 @@
+"""Relay to a real OpenAI-compatible runtime on the miner's box (vLLM, SGLang, llama.cpp's llama-server).
+
+The miner's job in front of a real card is to add nothing: bytes from the runtime go to the validator
+as they arrive (``iter_any``, no line buffering), so the validator's TTFT is the card's TTFT plus one
+loopback hop. Upstream refusals become clean :class:`RuntimeFailure` errors before the first byte;
+a runtime that breaks off mid-stream raises :class:`RuntimeFailure` the miner turns into an SSE error event.
+
+Example::
+
+    async with aiohttp.ClientSession() as session:
+        rt = ProxyRuntime("http://127.0.0.1:8001", session, model="Qwen/Qwen2.5-7B-Instruct")
+        async for chunk in rt.stream({"messages": [{"role": "user", "content": "hi"}], "stream": True}):
+            print(chunk.decode(), end="")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from loguru import logger
+
+from .sim_runtime import RuntimeFailure
+
+_MAX_ERROR_BODY = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyTimeouts:
+    """``read_s`` bounds every gap between bytes, so it covers a hung prefill and a stalled decode alike."""
+
+    connect_s: float = 5.0
+    read_s: float = 120.0
+
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=None, connect=self.connect_s, sock_connect=self.connect_s,
+                                     sock_read=self.read_s)
+
+
+def _upstream_message(raw: bytes, status: int) -> str:
+    """The runtime's own error message when it sent OpenAI's error shape (vLLM/SGLang/llama-server do)."""
+    try:
+        obj = json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        msg = err.get("message") if isinstance(err, dict) else err
+        if isinstance(msg, str) and msg:
+            return msg[:500]
+        if isinstance(obj.get("detail"), str):
+            return obj["detail"][:500]
+    return f"runtime answered HTTP {status}"
+
+
+def map_status(status: int, message: str) -> RuntimeFailure:
+    """Upstream HTTP errors in the miner's terms: the caller's fault stays 400, overload is 429, else 502."""
+    if status == 429:
+        return RuntimeFailure(message, status=429, type="busy", code="runtime_busy", headers={"Retry-After": "0"})
+    if status in (400, 404, 413, 422):
+        return RuntimeFailure(message, status=400, type="invalid_request_error", code="runtime_rejected")
+    return RuntimeFailure(message, status=502, type="upstream_error", code="runtime_http_error")
+
+
+class ProxyRuntime:
+    """Forward chat completions to ``{base_url}/v1/chat/completions`` and relay the stream unbuffered."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, model: str | None = None,
+                 timeouts: ProxyTimeouts | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.url = self.base_url + "/v1/chat/completions"
+        self.name = f"proxy:{self.base_url}"
+        self._session = session
+        self._model = model
+        self._timeouts = timeouts or ProxyTimeouts()
+        self._active = 0
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        body = dict(payload)
+        if self._model:
+            body["model"] = self._model
+        body["stream"] = True
+        self._active += 1
+        started = False  # True once the runtime answered 200: later errors are mid-stream
+        try:
+            async with self._session.post(self.url, json=body, timeout=self._timeouts.client_timeout(),
+                                          headers={"Accept": "text/event-stream"}) as resp:
+                if resp.status != 200:
+                    msg = _upstream_message(await resp.content.read(_MAX_ERROR_BODY), resp.status)
+                    logger.warning("runtime {} answered {}: {}", self.url, resp.status, msg)
+                    raise map_status(resp.status, msg)
+                started = True
+                async for chunk in resp.content.iter_any():
+                    yield chunk
+        except TimeoutError:
+            if started:
+                raise RuntimeFailure("runtime stalled mid-stream", status=504, type="timeout_error",
+                                     code="runtime_timeout") from None
+            raise RuntimeFailure("runtime did not answer in time", status=504, type="timeout_error",
+                                 code="runtime_timeout") from None
+        except aiohttp.ClientError as e:
+            if started:
+                raise RuntimeFailure(f"runtime stream broke: {type(e).__name__}", code="runtime_dropped") from None
+            logger.warning("runtime {} unreachable: {}", self.url, e)
+            raise RuntimeFailure("runtime unreachable", status=502, code="runtime_unreachable") from None
+        finally:
+            self._active -= 1
