@@ -1,0 +1,115 @@
+"""Shared fixtures: real keypairs, scripted fake miners and a gateway on loopback ephemeral ports."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from bittensor.sp_core import Keypair
+
+from gateway.measurement import MeasurementQueue
+from gateway.router import Candidate, Router
+from gateway.server import Gateway, GatewayConfig
+from gateway.signing import RequestSigner
+from gateway.upstream import Upstream, UpstreamTimeouts
+from tests.fakes import MODEL, DeadMiner, FakeMiner, Script
+
+API_KEY = "sk-test-0123456789"
+# Short deadlines so fault tests end quickly, yet generous enough for a loaded 2-core machine.
+FAST = UpstreamTimeouts(connect=2.0, first_token=1.0, stall=0.8, total=15.0)
+_URIS = ["//Bob", "//Charlie", "//Dave", "//Eve", "//Ferdie", "//Miner6", "//Miner7", "//Miner8"]
+
+
+@pytest.fixture(scope="session")
+def alice() -> Keypair:
+    return Keypair.create_from_uri("//Alice")
+
+
+@pytest.fixture(scope="session")
+def miner_keys() -> list[Keypair]:
+    return [Keypair.create_from_uri(u) for u in _URIS]
+
+
+@pytest.fixture
+async def make_miner(alice: Keypair, miner_keys: list[Keypair]) -> AsyncIterator[Callable[..., Awaitable[FakeMiner]]]:
+    started: list[FakeMiner] = []
+
+    async def make(script: Script | None = None, *, slots: int = 4, tag: str | None = None) -> FakeMiner:
+        i = len(started)
+        m = FakeMiner(miner_keys[i], trusted=alice.ss58_address, script=script or Script(), slots=slots,
+                      tag=tag or f"m{i}-")
+        await m.start()
+        started.append(m)
+        return m
+
+    yield make
+    for m in started:
+        await m.stop()
+
+
+@pytest.fixture
+def dead_miner(miner_keys: list[Keypair]) -> DeadMiner:
+    return DeadMiner(miner_keys[-1])
+
+
+@dataclass
+class Harness:
+    gateway: Gateway
+    router: Router
+    upstream: Upstream
+    sink: MeasurementQueue
+    client: aiohttp.ClientSession
+    uids: dict[str, int]  # miner tag -> uid
+    items: list[Any] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.port}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def chat(self, body: dict[str, Any], **kw: Any) -> Any:
+        """``async with h.chat(body) as resp`` — a POST to the gateway with the test key."""
+        headers = {**self.auth, **kw.pop("headers", {})}
+        return self.client.post(self.base_url + "/v1/chat/completions", json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=30), **kw)
+
+    def measurements(self) -> list[Any]:
+        return list(self.sink._items)
+
+
+@pytest.fixture
+async def make_gateway(alice: Keypair) -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
+    made: list[tuple[Harness, aiohttp.ClientSession]] = []
+
+    async def make(miners: Sequence[FakeMiner | DeadMiner], *, scores: dict[str, float] | None = None,
+                   timeouts: UpstreamTimeouts = FAST, seed: int = 0, **cfg: Any) -> Harness:
+        router = Router(rng=random.Random(seed))
+        uids = {m.tag: i + 1 for i, m in enumerate(miners)}
+        router.sync([Candidate(uid=uids[m.tag], hotkey=m.hotkey, endpoint=m.endpoint, slots=getattr(m, "slots", 1))
+                     for m in miners])
+        if scores:
+            router.set_scores({m.hotkey: scores[m.tag] for m in miners if m.tag in scores})
+        up_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        sink = MeasurementQueue()
+        upstream = Upstream(up_session, RequestSigner(alice), sink, timeouts=timeouts)
+        config = GatewayConfig.from_sources(port=0, models=[MODEL], keys=[API_KEY], env={}, **cfg)
+        gw = Gateway(config, router, upstream)
+        await gw.start()
+        client = aiohttp.ClientSession()
+        h = Harness(gateway=gw, router=router, upstream=upstream, sink=sink, client=client, uids=uids,
+                    items=list(miners))
+        made.append((h, up_session))
+        return h
+
+    yield make
+    for h, up_session in made:
+        await h.client.close()
+        await h.gateway.stop()
+        await up_session.close()

@@ -1,0 +1,474 @@
+"""The gateway over real sockets on loopback, against scripted fake miners (tests/fakes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+
+import aiohttp
+import pytest
+
+from gateway.measurement import (
+    CLIENT_DISCONNECT,
+    FAIL_BUSY,
+    FAIL_CONNECT,
+    FAIL_DROPPED,
+    FAIL_EMPTY,
+    FAIL_GARBAGE,
+    FAIL_HTTP,
+    FAIL_OVERLONG,
+    FAIL_TIMEOUT,
+)
+from gateway.upstream import UpstreamTimeouts
+from tests.conftest import API_KEY
+from tests.fakes import MODEL, Script, body, contents, eventually, read_sse
+
+
+async def error_of(resp: aiohttp.ClientResponse) -> dict:
+    assert resp.content_type == "application/json"
+    err = (await resp.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+# -- happy paths ---------------------------------------------------------------------------------
+
+
+async def test_streaming_is_incremental(make_miner, make_gateway):
+    """The first token reaches the client while the miner is still holding the rest back."""
+    m = await make_miner(Script("gated", tokens=4))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=4)) as r:
+        assert r.status == 200
+        assert r.headers["X-Tensorgate-Miner-Uid"] == "1"
+        seen: list[str] = []
+
+        async def first_content() -> None:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    c = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                    if c:
+                        seen.append(c)
+                        return
+
+        await asyncio.wait_for(first_content(), timeout=10)  # a buffering gateway would block here
+        assert seen == [m.token(0)]
+        assert m.finished == 0 and m.active == 1
+        m.gate.set()
+        rest = await read_sse(r)
+    assert contents(rest) == [m.token(i) for i in range(1, 4)]
+    assert rest[-1] == "[DONE]"
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and m.active == 0)
+
+
+async def test_non_streaming_is_assembled_with_usage_and_served_by(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=6))
+    h = await make_gateway([m])
+    async with h.chat(body(stream=False, max_tokens=6)) as r:
+        assert r.status == 200
+        data = await r.json()
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "".join(m.token(i) for i in range(6))}
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 6
+    assert data["tensorgate"] == {"miner_uid": 1, "miner_hotkey": m.hotkey}
+    assert r.headers["X-Tensorgate-Miner-Uid"] == "1"
+    # the miner was always asked to stream, with usage, and got the capped max_tokens
+    assert m.bodies[0]["stream"] is True and m.bodies[0]["stream_options"] == {"include_usage": True}
+    assert m.bodies[0]["max_tokens"] == 6
+
+
+async def test_usage_chunk_is_opt_in(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=3))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=3)) as r:
+        plain = await read_sse(r)
+    async with h.chat(body(max_tokens=3, stream_options={"include_usage": True})) as r:
+        with_usage = await read_sse(r)
+    assert not any(isinstance(e, dict) and "usage" in e for e in plain)
+    usage = [e for e in with_usage if isinstance(e, dict) and "usage" in e]
+    assert len(usage) == 1 and usage[0]["choices"] == []
+    assert usage[0]["usage"]["completion_tokens"] == 3
+    assert with_usage[-1] == "[DONE]"
+    first = plain[0]
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+    assert first["tensorgate"]["miner_uid"] == 1
+
+
+async def test_ttft_clock_starts_at_dispatch_not_headers(make_miner, make_gateway):
+    """A miner slow to send headers cannot hide that delay from TTFT."""
+    m = await make_miner(Script("ok", tokens=20, headers_delay=0.3, token_delay=0.01))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=20)) as r:
+        events = await read_sse(r)
+    assert len(contents(events)) == 20
+    [meas] = h.measurements()
+    assert meas.ok and meas.completion_tokens == 20
+    assert meas.ttft_s is not None and meas.ttft_s >= 0.3
+    assert meas.latency_s >= meas.ttft_s + 19 * 0.01 * 0.9
+    rate = meas.decode_rate(min_tokens=16)
+    assert rate is not None and rate <= 19 / (19 * 0.01 * 0.9)
+
+
+async def test_concurrent_requests_get_distinct_nonces(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=2, token_delay=0.01), slots=32)
+    h = await make_gateway([m])
+
+    async def one() -> int:
+        async with h.chat(body(stream=False, max_tokens=2)) as r:
+            await r.read()
+            return r.status
+
+    statuses = await asyncio.gather(*(one() for _ in range(24)))
+    assert statuses == [200] * 24
+    assert m.auth_failures == 0 and m.requests == 24
+
+
+# -- retry before the first byte, never after ----------------------------------------------------
+
+
+async def test_retry_on_busy(make_miner, make_gateway):
+    busy = await make_miner(Script("busy"), tag="busy-")
+    ok = await make_miner(Script("ok", tokens=3), tag="ok-")
+    h = await make_gateway([busy, ok], scores={"busy-": 1.0, "ok-": 0.0})  # busy is always tried first
+    async with h.chat(body(max_tokens=3)) as r:
+        assert r.status == 200
+        assert r.headers["X-Tensorgate-Miner-Uid"] == str(h.uids["ok-"])
+        events = await read_sse(r)
+    assert contents(events) == [ok.token(i) for i in range(3)]
+    assert busy.requests == 1 and ok.requests == 1
+    fails = [(x.uid, x.failure) for x in h.measurements()]
+    assert fails == [(h.uids["busy-"], FAIL_BUSY), (h.uids["ok-"], None)]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_retry_on_dead_miner(make_miner, make_gateway, dead_miner):
+    ok = await make_miner(Script("ok", tokens=3), tag="ok-")
+    h = await make_gateway([dead_miner, ok], scores={"dead": 1.0, "ok-": 0.0})
+    async with h.chat(body(stream=False, max_tokens=3)) as r:
+        assert r.status == 200
+        assert (await r.json())["tensorgate"]["miner_uid"] == h.uids["ok-"]
+    assert [x.failure for x in h.measurements()] == [FAIL_CONNECT, None]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_retry_on_failure_after_prelude_but_before_content(make_miner, make_gateway):
+    """A role prelude is not a byte the client has seen: a miner dying after it is retried."""
+    hang = await make_miner(Script("hang_first"), tag="hang-")
+    ok = await make_miner(Script("ok", tokens=2), tag="ok-")
+    h = await make_gateway([hang, ok], scores={"hang-": 1.0, "ok-": 0.0})
+    async with h.chat(body(max_tokens=2)) as r:
+        assert r.status == 200
+        events = await read_sse(r)
+    assert contents(events) == [ok.token(0), ok.token(1)]
+    assert [x.failure for x in h.measurements()] == [FAIL_TIMEOUT, None]
+
+
+async def test_no_retry_after_first_byte(make_miner, make_gateway):
+    drop = await make_miner(Script("drop_after", tokens=8, after=3), tag="drop-")
+    ok = await make_miner(Script("ok", tokens=8), tag="ok-")
+    h = await make_gateway([drop, ok], scores={"drop-": 1.0, "ok-": 0.0})
+    async with h.chat(body(max_tokens=8)) as r:
+        assert r.status == 200
+        events = await asyncio.wait_for(read_sse(r), timeout=10)
+    assert contents(events) == [drop.token(i) for i in range(3)]  # only that miner's tokens
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and events[-1] == "[DONE]" and events[-2] is errors[0]
+    assert errors[0]["error"]["type"] == "upstream_error"
+    assert ok.requests == 0
+    assert [x.failure for x in h.measurements()] == [FAIL_DROPPED]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_no_retry_after_first_byte_non_streaming_gives_502(make_miner, make_gateway):
+    drop = await make_miner(Script("drop_after", tokens=8, after=2), tag="drop-")
+    ok = await make_miner(Script("ok"), tag="ok-")
+    h = await make_gateway([drop, ok], scores={"drop-": 1.0, "ok-": 0.0})
+    async with h.chat(body(stream=False)) as r:
+        assert r.status == 502
+        await error_of(r)
+    assert ok.requests == 0
+
+
+async def test_stall_mid_stream_ends_with_error_event_not_a_hang(make_miner, make_gateway):
+    stall = await make_miner(Script("stall_after", tokens=8, after=2))
+    h = await make_gateway([stall])
+    async with h.chat(body(max_tokens=8)) as r:
+        events = await asyncio.wait_for(read_sse(r), timeout=10)
+    assert len(contents(events)) == 2
+    assert events[-2]["error"]["code"] == "upstream_timeout" and events[-1] == "[DONE]"
+    assert [x.failure for x in h.measurements()] == [FAIL_TIMEOUT]
+    assert await eventually(lambda: stall.active == 0)  # the gateway hung up: the miner's slot is free
+
+
+async def test_retries_are_bounded(make_miner, make_gateway):
+    miners = [await make_miner(Script("http500"), tag=f"bad{i}-") for i in range(5)]
+    h = await make_gateway(miners, max_retries=2)
+    async with h.chat(body()) as r:
+        assert r.status == 502
+        await error_of(r)
+    assert sum(m.requests for m in miners) == 3
+    assert [x.failure for x in h.measurements()] == [FAIL_HTTP] * 3
+
+
+# -- client disconnect ---------------------------------------------------------------------------
+
+
+async def test_disconnect_mid_stream_frees_both_sides(make_miner, make_gateway):
+    m = await make_miner(Script("gated", tokens=4))
+    h = await make_gateway([m])
+    resp = await h.client.post(h.base_url + "/v1/chat/completions", json=body(max_tokens=4), headers=h.auth)
+    assert resp.status == 200
+    async for line in resp.content:
+        if b'"content":"m' in line:
+            break
+    assert h.router.total_in_flight() == 1 and m.active == 1
+    resp.close()  # drop the connection mid-stream
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and m.active == 0)
+    assert m.cancelled == 1 and m.finished == 0
+    assert await eventually(lambda: len(h.measurements()) == 1)
+    [meas] = h.measurements()
+    assert meas.failure == CLIENT_DISCONNECT and not meas.ok
+
+
+async def test_disconnect_before_first_byte_cancels_upstream(make_miner, make_gateway):
+    m = await make_miner(Script("hang_headers"))
+    h = await make_gateway([m], timeouts=UpstreamTimeouts(first_token=30.0, stall=30.0, total=60.0))
+    task = asyncio.create_task(h.client.post(h.base_url + "/v1/chat/completions", json=body(), headers=h.auth))
+    assert await eventually(lambda: m.active == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and m.active == 0)
+    assert await eventually(lambda: len(h.measurements()) == 1)
+    assert h.measurements()[0].failure == CLIENT_DISCONNECT
+
+
+# -- error codes ---------------------------------------------------------------------------------
+
+
+async def test_auth(make_miner, make_gateway):
+    m = await make_miner()
+    h = await make_gateway([m])
+    url = h.base_url + "/v1/chat/completions"
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}, {"Authorization": "Basic x"}):
+        async with h.client.post(url, json=body(), headers=headers) as r:
+            assert r.status == 401
+            assert (await error_of(r))["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/v1/status"):
+        async with h.client.get(h.base_url + path) as r:
+            assert r.status == 401
+    async with h.client.get(h.base_url + "/health") as r:
+        assert r.status == 200 and (await r.json())["status"] == "ok"
+    async with h.client.get(h.base_url + "/v1/models", headers=h.auth) as r:
+        assert r.status == 200
+        assert [d["id"] for d in (await r.json())["data"]] == [MODEL]
+    assert m.requests == 0 and h.measurements() == []
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0]"),
+        (body(max_tokens=0), "max_tokens"),
+        (body(max_tokens=True), "max_tokens"),
+        (body(max_completion_tokens=-3), "max_completion_tokens"),
+        (body(n=2), "n"),
+        (body(temperature=2.5), "temperature"),
+        (body(top_p=-0.1), "top_p"),
+        (body(stream="yes"), "stream"),
+        (body(stream=False, stream_options={"include_usage": True}), "stream_options"),
+        (body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+        (body(stop=[1, 2]), "stop"),
+        (body(tools=[{"type": "function"}]), "tools"),
+    ],
+)
+async def test_400_names_the_field(make_miner, make_gateway, payload, param):
+    m = await make_miner()
+    h = await make_gateway([m])
+    async with h.chat(payload) as r:
+        assert r.status == 400
+        err = await error_of(r)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert m.requests == 0
+
+
+async def test_400_malformed_json_404_unknown_model_413_too_big(make_miner, make_gateway):
+    m = await make_miner()
+    h = await make_gateway([m], max_body_bytes=4096)
+    url = h.base_url + "/v1/chat/completions"
+    async with h.client.post(url, data=b"{not json", headers=h.auth) as r:
+        assert r.status == 400 and (await error_of(r))["code"] == "invalid_json"
+    async with h.client.post(url, data=b"[1, 2]", headers=h.auth) as r:
+        assert r.status == 400
+    async with h.chat(body(model="gpt-9")) as r:
+        assert r.status == 404
+        err = await error_of(r)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+    big = body(messages=[{"role": "user", "content": "x" * 5000}])
+    async with h.chat(big) as r:
+        assert r.status == 413
+        await error_of(r)
+
+    async def chunked():  # no Content-Length: the cap still holds while reading
+        for _ in range(10):
+            yield b" " * 1000
+
+    async with h.client.post(url, data=chunked(), headers=h.auth) as r:
+        assert r.status == 413
+    async with h.client.get(h.base_url + "/v1/nothing", headers=h.auth) as r:
+        assert r.status == 404 and (await error_of(r))["code"] == "not_found"
+    assert m.requests == 0
+
+
+async def test_max_tokens_capped_by_config(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=3))
+    h = await make_gateway([m], max_tokens_cap=50, default_max_tokens=20)
+    async with h.chat(body(stream=False, max_tokens=10_000)) as r:
+        assert r.status == 200
+    async with h.chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}) as r:
+        assert r.status == 200
+    assert [b["max_tokens"] for b in m.bodies] == [50, 20]
+
+
+async def test_429_when_nothing_eligible_or_all_busy(make_miner, make_gateway):
+    h = await make_gateway([])
+    async with h.chat(body()) as r:
+        assert r.status == 429
+        assert (await error_of(r))["code"] == "no_capacity"
+        assert "Retry-After" in r.headers
+    busy = [await make_miner(Script("busy"), tag=f"b{i}-") for i in range(2)]
+    h2 = await make_gateway(busy)
+    async with h2.chat(body()) as r:
+        assert r.status == 429
+    assert [x.failure for x in h2.measurements()] == [FAIL_BUSY, FAIL_BUSY]
+
+
+async def test_502_and_504_before_first_byte(make_miner, make_gateway, dead_miner):
+    h = await make_gateway([dead_miner])
+    async with h.chat(body()) as r:
+        assert r.status == 502
+    hang = await make_miner(Script("hang_headers"))
+    h2 = await make_gateway([hang], timeouts=UpstreamTimeouts(first_token=0.3, stall=0.3, total=5.0))
+    async with h2.chat(body(stream=False)) as r:
+        assert r.status == 504
+        assert (await error_of(r))["type"] == "timeout_error"
+    assert [x.failure for x in h2.measurements()] == [FAIL_TIMEOUT]
+    assert await eventually(lambda: hang.active == 0)
+
+
+# -- misbehaving miners are recorded with the right reason ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "reason"),
+    [
+        (Script("garbage"), FAIL_GARBAGE),
+        (Script("nan"), FAIL_GARBAGE),
+        (Script("invalid_utf8"), FAIL_GARBAGE),
+        (Script("long_line"), FAIL_GARBAGE),
+        (Script("wrong_shape"), FAIL_GARBAGE),
+        (Script("overlong", tokens=12), FAIL_OVERLONG),
+        (Script("hang_headers"), FAIL_TIMEOUT),
+        (Script("hang_first"), FAIL_TIMEOUT),
+        (Script("stall_after", after=2), FAIL_TIMEOUT),
+        (Script("drop_after", after=2), FAIL_DROPPED),
+        (Script("empty"), FAIL_EMPTY),
+        (Script("http500"), FAIL_HTTP),
+        (Script("busy"), FAIL_BUSY),
+        (Script("no_done", tokens=3), None),
+        (Script("ok", tokens=3), None),
+    ],
+    ids=lambda v: v.behavior if isinstance(v, Script) else str(v),
+)
+async def test_probe_records_failure_reason(make_miner, make_gateway, script, reason):
+    m = await make_miner(script)
+    h = await make_gateway([m])
+    lease = h.router.acquire_uid(1)
+    assert lease is not None
+    try:
+        meas = await asyncio.wait_for(h.upstream.probe(lease, body(max_tokens=8)), timeout=15)
+    finally:
+        h.router.release(lease)
+    assert meas.failure == reason and meas.ok is (reason is None) and meas.probe
+    assert h.measurements() == [meas]
+    if reason == FAIL_OVERLONG:
+        assert meas.completion_tokens == 8
+    assert await eventually(lambda: m.active == 0)
+
+
+async def test_overlong_stream_is_cut_at_max_tokens(make_miner, make_gateway):
+    m = await make_miner(Script("overlong", tokens=50))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=5)) as r:
+        events = await read_sse(r)
+    assert len(contents(events)) == 5
+    assert "error" in events[-2] and events[-1] == "[DONE]"
+    assert [x.failure for x in h.measurements()] == [FAIL_OVERLONG]
+
+
+async def test_garbage_before_content_is_retried(make_miner, make_gateway):
+    bad = await make_miner(Script("nan"), tag="bad-")
+    ok = await make_miner(Script("ok", tokens=2), tag="ok-")
+    h = await make_gateway([bad, ok], scores={"bad-": 1.0, "ok-": 0.0})
+    async with h.chat(body(stream=False, max_tokens=2)) as r:
+        assert r.status == 200
+    assert [x.failure for x in h.measurements()] == [FAIL_GARBAGE, None]
+
+
+# -- bookkeeping under a burst -------------------------------------------------------------------
+
+
+async def test_burst_of_mixed_outcomes_balances_the_books(make_miner, make_gateway, dead_miner):
+    miners = [
+        await make_miner(Script("ok", tokens=4, token_delay=0.005), slots=3, tag="ok-"),
+        await make_miner(Script("ok", tokens=4), slots=1, tag="tight-"),  # often busy under the burst
+        await make_miner(Script("drop_after", tokens=4, after=1), slots=4, tag="drop-"),
+        await make_miner(Script("garbage"), slots=4, tag="junk-"),
+        await make_miner(Script("stall_after", tokens=4, after=1), slots=4, tag="stall-"),
+        await make_miner(Script("gated", tokens=4), slots=4, tag="gated-"),  # never opened: clients give up
+    ]
+    h = await make_gateway([*miners, dead_miner], seed=3,
+                           timeouts=UpstreamTimeouts(connect=2.0, first_token=0.6, stall=0.4, total=10.0))
+    rng = random.Random(11)
+    statuses: Counter[str] = Counter()
+
+    async def one(i: int) -> None:
+        stream = rng.random() < 0.6
+        give_up = rng.random() < 0.2
+        try:
+            async with asyncio.timeout(0.25 if give_up else 20):
+                async with h.chat(body(stream=stream, max_tokens=4)) as r:
+                    await r.read()
+                    statuses[str(r.status)] += 1
+        except TimeoutError:
+            statuses["gave_up"] += 1
+
+    await asyncio.gather(*(one(i) for i in range(40)))
+    assert sum(statuses.values()) == 40
+    assert await eventually(lambda: h.router.total_in_flight() == 0, within_s=10)
+    assert await eventually(lambda: all(m.active == 0 for m in miners), within_s=10)
+    assert await eventually(lambda: len(h.measurements()) == h.upstream.dispatched, within_s=10)
+    by_uid = Counter(x.uid for x in h.measurements())
+    for m in miners:  # every request a miner saw is exactly one measurement, and vice versa
+        assert by_uid[h.uids[m.tag]] == m.requests, m.tag
+    assert by_uid[h.uids["dead"]] == h.upstream.dispatched - sum(m.requests for m in miners)
+    assert sum(m.served for m in h.router.miners()) == sum(x.ok for x in h.measurements())
+    assert statuses["200"] >= 1 and statuses["200"] + statuses["gave_up"] >= sum(x.ok for x in h.measurements())
+    async with h.client.get(h.base_url + "/v1/status", headers=h.auth) as r:
+        status = await r.json()
+    assert status["in_flight"] == 0
+    per_uid = {s["uid"]: s for s in status["miners"]}
+    assert sum(s["requests"] for s in per_uid.values()) == h.upstream.dispatched
+    assert per_uid[h.uids["ok-"]]["ttft_p50_s"] is not None
+    junk = per_uid[h.uids["junk-"]]
+    assert junk["failures"][FAIL_GARBAGE] >= 1 and junk["ok"] == 0
+    assert junk["failures"][FAIL_GARBAGE] + junk["failures"].get(FAIL_BUSY, 0) == miners[3].requests
