@@ -163,11 +163,11 @@ class Router:
         return None
 
     def _weighted(self, miners: list[MinerState]) -> MinerState:
-        weights = [self._weight(m) for m in miners]
-        total = sum(weights)
+        cum = list(accumulate(self._weight(m) for m in miners))
+        total = cum[-1]  # not sum(): on 3.12+ sum() is compensated and can exceed cum[-1] (IndexError)
         if total <= 0.0:
             return miners[self._rng.randrange(len(miners))]
-        return miners[bisect_right(list(accumulate(weights)), self._rng.random() * total)]
+        return miners[bisect_right(cum, self._rng.random() * total)]
 
     def acquire(self, exclude: frozenset[int] | set[int] = frozenset()) -> Lease | None:
         """Pick a miner and count one request in flight on it."""
