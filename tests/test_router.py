@@ -1,0 +1,246 @@
+"""Weighted-random least-in-flight routing: the statistics and the bookkeeping.
+
+Statistical checks use seeded RNGs and bounds far in the tails (5 standard deviations, or the
+chi-square quantile at 1 - 1e-4), so they pass deterministically and a real bias still fails them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from gateway.router import Candidate, MinerState, Router
+
+# chi-square quantiles at 1 - 1e-4, by degrees of freedom
+CHI2_9999 = {1: 15.137, 2: 18.421, 3: 21.108, 4: 23.513}
+
+
+def cands(n: int, slots: int = 1) -> list[Candidate]:
+    return [Candidate(uid=i, hotkey=f"hk{i}", endpoint=f"127.0.0.1:{9000 + i}", slots=slots) for i in range(n)]
+
+
+def router(n: int, scores: list[float] | None = None, seed: int = 1, slots: int = 1) -> Router:
+    r = Router(rng=random.Random(seed))
+    r.sync(cands(n, slots))
+    if scores is not None:
+        r.set_scores({f"hk{i}": s for i, s in enumerate(scores)})
+    return r
+
+
+def chi2(counts: Counter[int], probs: dict[int, float]) -> float:
+    n = sum(counts.values())
+    return sum((counts[k] - n * p) ** 2 / (n * p) for k, p in probs.items())
+
+
+def sequential(r: Router) -> Callable[[], int]:
+    """One request at a time: acquire, then release before the next (no overlap, all loads zero)."""
+
+    def go() -> int:
+        lease = r.acquire()
+        assert lease is not None
+        r.release(lease, served=True)
+        return lease.miner.uid
+
+    return go
+
+
+def balanced(pick: Callable[[], int], n: int = 2000) -> bool:
+    """Two equal miners each got n/2 within 5 binomial standard deviations."""
+    c = Counter(pick() for _ in range(n))
+    sd = math.sqrt(n * 0.25)
+    return len(c) == 2 and all(abs(v - n / 2) <= 5 * sd for v in c.values())
+
+
+def test_fewest_in_flight_wins_outright():
+    r = router(3, scores=[100.0, 0.01, 0.01])
+    held = r.acquire_uid(0)
+    assert held is not None
+    picks = Counter(r.pick().uid for _ in range(2000))  # type: ignore[union-attr]
+    assert picks[0] == 0 and picks[1] > 0 and picks[2] > 0
+    # and with loads equal again the high score dominates
+    r.release(held)
+    picks = Counter(r.pick().uid for _ in range(2000))  # type: ignore[union-attr]
+    assert picks[0] > 1900
+
+
+def test_weighted_when_scores_differ():
+    scores = [1.0, 2.0, 3.0, 4.0]
+    r = router(4, scores=scores, seed=7)
+    n = 10_000
+    counts = Counter(sequential(r)() for _ in range(n))
+    probs = {i: s / sum(scores) for i, s in enumerate(scores)}
+    assert chi2(counts, probs) < CHI2_9999[3]
+    # binomial check on the largest, so a flat picker cannot pass by luck of the statistic
+    p = probs[3]
+    assert abs(counts[3] - n * p) < 5 * math.sqrt(n * p * (1 - p))
+
+
+def test_weighted_also_with_exclusions():
+    r = router(3, scores=[1.0, 1.0, 3.0], seed=8)
+    n = 8000
+    counts = Counter(r.pick(exclude={0}).uid for _ in range(n))  # type: ignore[union-attr]
+    assert counts[0] == 0
+    assert chi2(counts, {1: 0.25, 2: 0.75}) < CHI2_9999[1]
+
+
+def test_uniform_when_equal():
+    r = router(5, scores=[0.7] * 5, seed=3)
+    n = 10_000
+    counts = Counter(sequential(r)() for _ in range(n))
+    assert chi2(counts, {i: 0.2 for i in range(5)}) < CHI2_9999[4]
+
+
+def test_unmeasured_miners_are_routed_at_the_prior():
+    r = Router(rng=random.Random(5))
+    r.sync(cands(3))
+    r.set_scores({"hk0": 1.0, "hk1": 3.0})  # hk2 unmeasured: prior = median of known = 3.0 (upper median)
+    n = 7000
+    counts = Counter(sequential(r)() for _ in range(n))
+    assert counts[2] > 0
+    assert chi2(counts, {0: 1 / 7, 1: 3 / 7, 2: 3 / 7}) < CHI2_9999[2]
+
+
+def test_zero_score_only_when_nothing_else_is_left():
+    r = router(2, scores=[1.0, 0.0], seed=2)
+    assert all(sequential(r)() == 0 for _ in range(3000))
+    lease = r.acquire(exclude={0})
+    assert lease is not None and lease.miner.uid == 1
+    r.release(lease)
+    held = r.acquire_uid(0)  # the scored miner is busier now: the zero-score one is the only idle one
+    assert held is not None
+    assert r.pick().uid == 1  # type: ignore[union-attr]
+    assert r.pick(exclude={0, 1}) is None
+
+
+def test_all_zero_scores_are_uniform():
+    r = router(3, scores=[0.0, 0.0, 0.0], seed=4)
+    n = 6000
+    counts = Counter(sequential(r)() for _ in range(n))
+    assert chi2(counts, {i: 1 / 3 for i in range(3)}) < CHI2_9999[2]
+
+
+def test_no_miner_starves():
+    scores = [1.0, 0.5, 0.2, 0.05, 0.01]
+    r = router(5, scores=scores, seed=9)
+    n = 20_000
+    counts = Counter(sequential(r)() for _ in range(n))
+    total = sum(scores)
+    for i, s in enumerate(scores):
+        expected = n * s / total
+        assert counts[i] > expected - 5 * math.sqrt(expected), (i, counts[i], expected)
+    assert min(counts.values()) > 50
+
+
+def test_non_overlapping_requests_split_between_equal_miners():
+    r = router(2, scores=[0.8, 0.8], seed=11)
+    assert balanced(sequential(r))
+    served = {m.uid: m.served for m in r.miners()}
+    assert sum(served.values()) == 2000 and r.total_in_flight() == 0
+
+
+def test_the_balance_check_catches_a_deterministic_tie_break():
+    """The same check fails for "highest score wins, ties by uid": the bug the router exists to avoid."""
+    r = router(2, scores=[0.8, 0.8], seed=11)
+
+    def deterministic() -> int:
+        best: MinerState = min(r.miners(), key=lambda m: (m.load, -(m.score or 0.0), m.uid))
+        lease = r.acquire_uid(best.uid)
+        assert lease is not None
+        r.release(lease)
+        return best.uid
+
+    assert not balanced(deterministic)
+
+
+def test_slots_normalize_load():
+    r = Router(rng=random.Random(0))
+    r.sync([Candidate(0, "big", "127.0.0.1:1", slots=4), Candidate(1, "small", "127.0.0.1:2", slots=1)])
+    leases = [r.acquire() for _ in range(5)]
+    assert all(lease is not None for lease in leases)
+    assert {m.uid: m.in_flight for m in r.miners()} == {0: 4, 1: 1}
+    for lease in leases:
+        r.release(lease)  # type: ignore[arg-type]
+    assert r.total_in_flight() == 0
+
+
+def test_concurrent_burst_spreads_by_load():
+    r = router(4, scores=[1.0, 1.0, 1.0, 1.0], seed=6)
+    leases = [r.acquire() for _ in range(12)]
+    assert sorted(m.in_flight for m in r.miners()) == [3, 3, 3, 3]
+    for lease in leases:
+        r.release(lease)  # type: ignore[arg-type]
+
+
+def test_sync_with_hotkey_change_resets_state():
+    r = router(2, scores=[0.9, 0.4])
+    old = r.acquire_uid(0)
+    assert old is not None
+    r.release(r.acquire_uid(0), served=True)  # type: ignore[arg-type]
+    assert r.get(0).served == 1 and r.get(0).in_flight == 1  # type: ignore[union-attr]
+    r.sync([Candidate(0, "new-hotkey", "127.0.0.1:9000"), *cands(2)[1:]])
+    fresh = r.get(0)
+    assert fresh is not None and fresh.hotkey == "new-hotkey"
+    assert fresh.score is None and fresh.in_flight == 0 and fresh.served == 0
+    r.release(old)  # the old lease only touches the old state
+    assert fresh.in_flight == 0 and old.miner.in_flight == 0
+    # a changed endpoint also starts from nothing; an unchanged candidate keeps its state
+    kept = r.get(1)
+    r.sync([Candidate(0, "new-hotkey", "127.0.0.1:9999"), *cands(2)[1:]])
+    assert r.get(0) is not fresh and r.get(1) is kept
+    r.sync(cands(1)[:0])
+    assert len(r) == 0 and r.acquire() is None
+
+
+def test_scores_are_keyed_by_hotkey():
+    r = router(2)
+    r.set_scores({"hk0": 0.9, "someone-else": 5.0})
+    assert r.get(0).score == 0.9 and r.get(1).score is None  # type: ignore[union-attr]
+    r.set_scores({"hk0": float("nan"), "hk1": -3.0})
+    assert r.get(0).score == 0.0 and r.get(1).score == 0.0  # type: ignore[union-attr]
+
+
+def test_release_is_idempotent():
+    r = router(2)
+    lease = r.acquire()
+    assert lease is not None
+    r.release(lease, served=True)
+    r.release(lease, served=True)
+    assert lease.miner.in_flight == 0 and lease.miner.served == 1
+    assert r.total_in_flight() == 0
+    assert balanced(sequential(r))  # buckets still consistent after the double release
+
+
+def test_acquire_uid():
+    r = router(3, scores=[1.0, 1.0, 1.0])
+    lease = r.acquire_uid(2)
+    assert lease is not None and lease.miner.uid == 2 and lease.in_flight_at_dispatch == 0
+    second = r.acquire_uid(2)
+    assert second is not None and second.in_flight_at_dispatch == 1
+    assert r.get(2).in_flight == 2  # type: ignore[union-attr]
+    assert all(r.pick().uid != 2 for _ in range(500))  # type: ignore[union-attr]
+    assert r.acquire_uid(99) is None
+    r.release(lease)
+    r.release(second)
+    assert r.total_in_flight() == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_in_flight_never_negative_under_random_interleaving(seed: int):
+    rng = random.Random(seed)
+    r = router(4, scores=[rng.random() for _ in range(4)], seed=seed, slots=2)
+    held = []
+    for _ in range(3000):
+        if held and rng.random() < 0.5:
+            r.release(held.pop(rng.randrange(len(held))))
+        else:
+            lease = r.acquire(exclude={rng.randrange(4)} if rng.random() < 0.2 else set())
+            assert lease is not None
+            held.append(lease)
+        assert all(m.in_flight >= 0 for m in r.miners())
+        assert r.total_in_flight() == len(held)
+        loads = [m.load for m in r.miners()]
+        assert r.pick().load == min(loads)  # type: ignore[union-attr]
