@@ -1,0 +1,129 @@
+"""The validator's command line, in bittensor conventions (``--netuid``, ``--wallet.name``, ...).
+
+Parsing is kept apart from the process so tests can build a :class:`ValidatorConfig` directly.
+
+Example::
+
+    cfg = parse_args(["--netuid", "7", "--network", "test", "--wallet.name", "vali"])
+    cfg.gateway_port   # 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = "tensorgate/sim-5090"
+
+
+@dataclass
+class ValidatorConfig:
+    netuid: int = 1
+    network: str = "finney"
+    wallet_name: str = "default"
+    wallet_hotkey: str = "default"
+    wallet_path: str = "~/.bittensor/wallets"
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    api_keys_file: str | None = None
+    models: list[str] = field(default_factory=lambda: [DEFAULT_MODEL])
+    state_dir: Path = Path("~/.tensorgate/validator").expanduser()
+    round_s: float = 300.0
+    settlement_rounds: int = 12
+    weights_interval_blocks: int = 100
+    weights_dry_run: bool = False
+    probes_per_round: int = 2
+    sync_interval_blocks: int = 10
+    min_validator_stake: float = 1000.0
+    restore_max_age_s: float = 3600.0
+    max_retries: int = 2
+    log_level: str = "INFO"
+    seed: int | None = None
+    # Embedded local subnet (the README's main job).
+    local: bool = False
+    local_rounds: int | None = None
+    local_miners: int = 4
+    local_round_s: float = 20.0
+    local_block_time: float = 1.0
+    local_traffic_rps: float = 1.5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m neurons.validator",
+        description="Tensorgate validator: OpenAI-compatible gateway, TTFT credit and on-chain weights.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = ValidatorConfig()
+    chain = p.add_argument_group("chain")
+    chain.add_argument("--netuid", type=int, default=d.netuid, help="subnet to validate")
+    chain.add_argument("--network", default=d.network, help="finney | test | local | ws://host:port")
+    chain.add_argument("--wallet.name", dest="wallet_name", default=d.wallet_name, help="coldkey wallet name")
+    chain.add_argument("--wallet.hotkey", dest="wallet_hotkey", default=d.wallet_hotkey, help="hotkey name")
+    chain.add_argument("--wallet.path", dest="wallet_path", default=d.wallet_path, help="wallets directory")
+    gw = p.add_argument_group("gateway")
+    gw.add_argument("--gateway.host", dest="gateway_host", default=d.gateway_host, help="bind address")
+    gw.add_argument("--gateway.port", dest="gateway_port", type=int, default=d.gateway_port, help="bind port")
+    gw.add_argument(
+        "--gateway.keys-file",
+        dest="api_keys_file",
+        default=d.api_keys_file,
+        help="file of client API keys, one per line (also read from $TENSORGATE_API_KEYS, comma-separated)",
+    )
+    gw.add_argument(
+        "--gateway.model",
+        dest="models",
+        action="append",
+        default=None,
+        help=f"model name the gateway serves (repeatable; default {DEFAULT_MODEL})",
+    )
+    gw.add_argument("--gateway.max-retries", dest="max_retries", type=int, default=d.max_retries,
+                    help="other miners tried before the first byte when one refuses or fails")
+    sc = p.add_argument_group("scoring and weights")
+    sc.add_argument("--state-dir", dest="state_dir", type=Path, default=d.state_dir, help="where state lives")
+    sc.add_argument("--round.seconds", dest="round_s", type=float, default=d.round_s, help="scoring round length")
+    sc.add_argument("--settlement.rounds", dest="settlement_rounds", type=int, default=d.settlement_rounds,
+                    help="trailing window of rounds that settle into weights")
+    sc.add_argument("--weights.interval", dest="weights_interval_blocks", type=int,
+                    default=d.weights_interval_blocks, help="blocks between weight submissions")
+    sc.add_argument("--weights.dry-run", dest="weights_dry_run", action="store_true",
+                    help="log the weights that would be set instead of submitting them")
+    sc.add_argument("--probes.per-round", dest="probes_per_round", type=int, default=d.probes_per_round,
+                    help="probe requests per miner per round")
+    sc.add_argument("--metagraph.sync-blocks", dest="sync_interval_blocks", type=int,
+                    default=d.sync_interval_blocks, help="blocks between metagraph syncs")
+    sc.add_argument("--validator.min-stake", dest="min_validator_stake", type=float,
+                    default=d.min_validator_stake,
+                    help="a permit holder with this much stake (or any validator trust) is a validator, not a miner")
+    sc.add_argument("--restore.max-age", dest="restore_max_age_s", type=float, default=d.restore_max_age_s,
+                    help="seconds within which saved credits make miners routable at once after a restart")
+    lo = p.add_argument_group("embedded local subnet")
+    lo.add_argument("--local", action="store_true",
+                    help="run a local chain stand-in, simulated 5090 miners and traffic (no chain, no GPU)")
+    lo.add_argument("--local.rounds", dest="local_rounds", type=int, default=None,
+                    help="exit after this many rounds (default: run until Ctrl-C)")
+    lo.add_argument("--local.miners", dest="local_miners", type=int, default=d.local_miners,
+                    help="number of simulated miners (the last one has a slower card)")
+    lo.add_argument("--local.round-seconds", dest="local_round_s", type=float, default=d.local_round_s,
+                    help="compressed round length in local mode")
+    lo.add_argument("--local.block-time", dest="local_block_time", type=float, default=d.local_block_time,
+                    help="seconds per block of the local chain")
+    lo.add_argument("--local.traffic-rps", dest="local_traffic_rps", type=float, default=d.local_traffic_rps,
+                    help="organic requests per second sent through the gateway in local mode")
+    p.add_argument("--seed", type=int, default=None, help="seed the router, probes and traffic (reproducible runs)")
+    p.add_argument("--log-level", dest="log_level", default=d.log_level, help="DEBUG | INFO | WARNING")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
+    ns = build_parser().parse_args(argv)
+    values = vars(ns)
+    if not values.get("models"):
+        values["models"] = [DEFAULT_MODEL]
+    values["state_dir"] = Path(os.path.expanduser(str(values["state_dir"])))
+    cfg = ValidatorConfig(**values)
+    if cfg.local and cfg.state_dir == ValidatorConfig().state_dir:
+        cfg.state_dir = Path("~/.tensorgate/local").expanduser()
+    return cfg
