@@ -200,6 +200,12 @@ class MinerServer:
                     logger.warning("runtime failed mid-stream for {}: {}", caller[:10], e.message)
                     await resp.write(_sse_error(e.message, e.type, e.code))
                     return resp
+                except ConnectionError:
+                    raise
+                except Exception:
+                    logger.exception("runtime failed mid-stream")
+                    await resp.write(_sse_error("runtime error", "server_error", "runtime_error"))
+                    return resp
                 await resp.write_eof()
             except ConnectionError:
                 logger.debug("caller {} disconnected mid-stream", caller[:10])

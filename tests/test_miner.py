@@ -1,0 +1,547 @@
+"""The reference miner over loopback: auth, slots (429, never queued, freed on every path), proxy relay."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import bittensor as bt
+import pytest
+from aiohttp import web
+
+from neurons.chain.base import NeuronInfo
+from neurons.keys import MissingKeyError, dev_keypair, load_hotkey
+from neurons.miner import CHAT_PATH, MINER_KEY, AllowList, MinerServer, PermitTrust, main, parse_args, start_miner
+from neurons.runtime_proxy import ProxyRuntime, ProxyTimeouts
+from neurons.sim_runtime import CardProfile, RuntimeFailure, SimulatedRuntime
+
+VALI = dev_keypair("Alice")
+MINER = dev_keypair("Bob")
+OTHER = dev_keypair("Charlie")
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Signer:
+    """Signs like the gateway: strictly increasing nonces, so concurrent requests are never replays."""
+
+    def __init__(self, keypair: Any = VALI, receiver: str = MINER.ss58_address) -> None:
+        self.keypair = keypair
+        self.receiver = receiver
+        self._last = 0
+
+    def headers(self, raw: bytes, nonce_ns: int | None = None) -> dict[str, str]:
+        if nonce_ns is None:
+            nonce_ns = max(time.time_ns(), self._last + 1)
+            self._last = nonce_ns
+        h = bt.http_auth.sign(self.keypair, method="POST", path=CHAT_PATH, body=raw, receiver_ss58=self.receiver,
+                              nonce_ns=nonce_ns)
+        return {**h, "Content-Type": "application/json"}
+
+
+def payload(max_tokens: int = 16, **extra: Any) -> bytes:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens,
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
+    return json.dumps(body).encode()
+
+
+def fast_card(**kw: Any) -> SimulatedRuntime:
+    kw.setdefault("time_scale", 20.0)
+    kw.setdefault("stop_rate", 0.0)
+    return SimulatedRuntime(CardProfile(**kw), rng=random.Random(5))
+
+
+class Miner:
+    def __init__(self, runner: web.AppRunner, port: int) -> None:
+        self.runner = runner
+        self.url = f"http://127.0.0.1:{port}"
+        self.server: MinerServer = runner.app[MINER_KEY]
+
+    async def wait_busy(self, n: int, within_s: float = 5.0) -> None:
+        deadline = time.monotonic() + within_s
+        while self.server.busy != n:
+            assert time.monotonic() < deadline, f"busy stayed {self.server.busy}, wanted {n}"
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        yield s
+
+
+@pytest.fixture
+async def make_miner() -> AsyncIterator[Any]:
+    runners: list[web.AppRunner] = []
+
+    async def make(runtime: Any = None, slots: int = 4, trust: Any = None, **kw: Any) -> Miner:
+        runner, port = await start_miner(MINER, runtime or fast_card(), slots=slots,
+                                         trust=trust or AllowList({VALI.ss58_address}), **kw)
+        runners.append(runner)
+        return Miner(runner, port)
+
+    yield make
+    for r in runners:
+        await r.cleanup()
+
+
+async def post(session: aiohttp.ClientSession, m: Miner, raw: bytes, headers: dict[str, str]) -> tuple[int, Any]:
+    async with session.post(m.url + CHAT_PATH, data=raw, headers=headers) as resp:
+        text = await resp.text()
+        if resp.content_type == "application/json":
+            return resp.status, json.loads(text)
+        return resp.status, text
+
+
+def sse_events(text: str) -> list[Any]:
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        if block:
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ---- happy path ------------------------------------------------------------------------------------
+
+
+async def test_health_and_signed_stream(session: aiohttp.ClientSession, make_miner: Any) -> None:
+    m = await make_miner(slots=3)
+    async with session.get(m.url + "/health") as r:
+        assert r.status == 200
+        assert await r.json() == {"status": "ok", "slots": 3, "busy": 0, "runtime": "sim:rtx5090"}
+    raw = payload(max_tokens=12)
+    async with session.post(m.url + CHAT_PATH, data=raw, headers=Signer().headers(raw)) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/event-stream"
+        assert resp.headers["X-Miner-Slots"] == "3"
+        events = sse_events(await resp.text())
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    tokens = [e for e in events if isinstance(e, dict) and e["choices"] and "content" in e["choices"][0]["delta"]]
+    assert len(tokens) == 12
+    assert events[-2]["usage"]["completion_tokens"] == 12 and events[-1] == "[DONE]"
+    assert m.server.busy == 0 and m.server.served == 1
+
+
+# ---- auth -------------------------------------------------------------------------------------------
+
+
+def _err(body: Any) -> dict[str, Any]:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+async def test_auth_refusals(session: aiohttp.ClientSession, make_miner: Any) -> None:
+    m = await make_miner()
+    raw = payload()
+    # unsigned
+    status, body = await post(session, m, raw, {"Content-Type": "application/json"})
+    assert status == 401 and _err(body)["type"] == "authentication_error"
+    # bad signature: headers signed over another body
+    status, body = await post(session, m, raw, Signer().headers(payload(max_tokens=99)))
+    assert status == 401 and _err(body)["code"] == "BadSignature"
+    # signature bytes tampered
+    h = Signer().headers(raw)
+    sig = h["X-Bittensor-Signature"]
+    h["X-Bittensor-Signature"] = sig[:-2] + ("00" if sig[-2:] != "00" else "11")
+    status, body = await post(session, m, raw, h)
+    assert status == 401
+    # wrong receiver
+    status, body = await post(session, m, raw, Signer(receiver=OTHER.ss58_address).headers(raw))
+    assert status == 403 and _err(body)["code"] == "wrong_receiver"
+    # a valid signature from a hotkey the miner does not trust
+    status, body = await post(session, m, raw, Signer(keypair=OTHER).headers(raw))
+    assert status == 403 and _err(body)["code"] == "untrusted_caller"
+    # stale nonce
+    status, body = await post(session, m, raw, Signer().headers(raw, nonce_ns=time.time_ns() - 60 * 10**9))
+    assert status == 401 and _err(body)["code"] == "StaleRequest"
+    # replay: the same signed request twice
+    h = Signer().headers(raw)
+    status, _ = await post(session, m, raw, h)
+    assert status == 200
+    status, body = await post(session, m, raw, h)
+    assert status == 401 and _err(body)["code"] == "ReplayedRequest"
+    assert m.server.busy == 0 and m.server.served == 1
+
+
+async def test_many_concurrent_signed_requests_all_accepted(session: aiohttp.ClientSession, make_miner: Any) -> None:
+    n = 40
+    m = await make_miner(slots=n)
+    signer = Signer()
+    raws = [payload(max_tokens=4) for _ in range(n)]  # identical bodies: only the nonce tells them apart
+    results = await asyncio.gather(*(post(session, m, raw, signer.headers(raw)) for raw in raws))
+    assert [s for s, _ in results] == [200] * n
+    assert all(text.endswith("data: [DONE]\n\n") for _, text in results)
+    assert m.server.served == n and m.server.busy == 0
+
+
+# ---- request validation ---------------------------------------------------------------------------------
+
+
+async def test_body_cap_and_bad_json(session: aiohttp.ClientSession, make_miner: Any) -> None:
+    m = await make_miner(max_body_bytes=4096)
+    big = payload(padding="x" * 5000)
+    status, body = await post(session, m, big, Signer().headers(big))
+    assert status == 413 and _err(body)["code"] == "payload_too_large"
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the cap must hold while reading
+        for _ in range(10):
+            yield b"x" * 1000
+
+    async with session.post(m.url + CHAT_PATH, data=chunked(), headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 413
+    for raw, code in ((b"{not json", "invalid_json"), (b"\xff\xfe", "invalid_json"),
+                      (b"[1, 2]", "invalid_value"), (json.dumps({"messages": []}).encode(), "invalid_value"),
+                      (payload(stream=False), "invalid_value")):
+        status, body = await post(session, m, raw, Signer().headers(raw))
+        assert status == 400 and _err(body)["code"] == code, raw
+    assert m.server.busy == 0
+
+
+# ---- slots ------------------------------------------------------------------------------------------
+
+
+async def test_full_miner_answers_429_at_once_never_queues(session: aiohttp.ClientSession, make_miner: Any) -> None:
+    m = await make_miner(runtime=fast_card(time_scale=1.0), slots=2)
+    signer = Signer()
+    held = []
+    for _ in range(2):
+        raw = payload(max_tokens=20000)  # ~45 s of decoding at 440 tok/s: holds its slot
+        resp = await session.post(m.url + CHAT_PATH, data=raw, headers=signer.headers(raw))
+        assert resp.status == 200
+        await resp.content.readany()
+        held.append(resp)
+    assert m.server.busy == 2
+    raw = payload()
+    t0 = time.monotonic()
+    async with session.post(m.url + CHAT_PATH, data=raw, headers=signer.headers(raw)) as r:
+        elapsed = time.monotonic() - t0
+        assert r.status == 429
+        assert r.headers["Retry-After"] == "0"
+        assert _err(await r.json())["type"] == "busy"
+    assert elapsed < 1.0, elapsed  # refused, not queued behind the held streams
+    assert m.server.busy == 2 and m.server.refused_busy == 1
+    for resp in held:
+        resp.close()
+    await m.wait_busy(0)
+    status, _ = await post(session, m, raw, signer.headers(raw))
+    assert status == 200
+
+
+async def test_slot_freed_on_runtime_error(session: aiohttp.ClientSession, make_miner: Any) -> None:
+    m = await make_miner(runtime=fast_card(fail_rate=1.0), slots=1)
+    for _ in range(3):  # would be 429 after the first if the slot leaked
+        raw = payload()
+        status, body = await post(session, m, raw, Signer().headers(raw))
+        assert status == 500 and _err(body)["type"] == "server_error"
+    assert m.server.busy == 0
+
+
+class BreaksMidStream:
+    """A runtime that fails after its first frame, with a clean failure or a bug."""
+
+    name = "test:breaks"
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+        self.active = 0
+
+    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+        self.active += 1
+        try:
+            yield b'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
+            await asyncio.sleep(0)
+            raise self.exc
+        finally:
+            self.active -= 1
+
+
+@pytest.mark.parametrize("exc", [RuntimeFailure("card fell over"), ZeroDivisionError("bug")])
+async def test_slot_freed_on_mid_stream_error(session: aiohttp.ClientSession, make_miner: Any,
+                                              exc: Exception) -> None:
+    rt = BreaksMidStream(exc)
+    m = await make_miner(runtime=rt, slots=1)
+    for _ in range(2):
+        raw = payload()
+        status, text = await post(session, m, raw, Signer().headers(raw))
+        assert status == 200
+        events = sse_events(text)
+        assert "error" in events[-1] and "[DONE]" not in events
+    assert m.server.busy == 0 and rt.active == 0
+
+
+@pytest.mark.parametrize("hang_s", [0.0, 30.0])  # disconnect while decoding, and while waiting for a first token
+async def test_slot_freed_on_client_disconnect(session: aiohttp.ClientSession, make_miner: Any,
+                                               hang_s: float) -> None:
+    rt = fast_card(time_scale=1.0, hang_s=hang_s)
+    m = await make_miner(runtime=rt, slots=1)
+    raw = payload(max_tokens=20000)
+    resp = await session.post(m.url + CHAT_PATH, data=raw, headers=Signer().headers(raw))
+    assert resp.status == 200
+    first = await resp.content.readany()
+    if not hang_s:
+        while b'"content"' not in first:
+            first += await resp.content.readany()
+    assert m.server.busy == 1 and rt.active == 1
+    resp.close()  # the caller walks away mid-stream
+    await m.wait_busy(0)
+    for _ in range(100):
+        if rt.active == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert rt.active == 0
+    raw = payload(max_tokens=2)
+    m.server.runtime = fast_card()
+    status, _ = await post(session, m, raw, Signer().headers(raw))
+    assert status == 200
+
+
+# ---- trust ------------------------------------------------------------------------------------------
+
+
+class FakeChain:
+    def __init__(self) -> None:
+        self.neurons: list[NeuronInfo] = []
+        self.fail = False
+
+    async def metagraph(self) -> list[NeuronInfo]:
+        if self.fail:
+            raise ConnectionError("chain down")
+        return self.neurons
+
+
+def _n(uid: int, hk: str, permit: bool, stake: float = 100.0) -> NeuronInfo:
+    return NeuronInfo(uid=uid, hotkey=hk, endpoint=None, validator_permit=permit, validator_trust=0.0, stake=stake)
+
+
+async def test_permit_trust_follows_metagraph_and_survives_failures() -> None:
+    chain = FakeChain()
+    chain.neurons = [_n(0, "A", True), _n(1, "B", False), _n(2, "C", True, stake=1.0)]
+    trust = PermitTrust(chain, min_stake=10.0)
+    assert not trust.allows("A")
+    assert await trust.refresh()
+    assert trust.allows("A") and not trust.allows("B") and not trust.allows("C")
+    chain.fail = True
+    assert not await trust.refresh()
+    assert trust.allows("A")  # last good set kept
+    chain.fail = False
+    chain.neurons = [_n(0, "B", True)]
+    await trust.refresh()
+    assert trust.allows("B") and not trust.allows("A")
+
+
+# ---- proxy runtime --------------------------------------------------------------------------------------
+
+
+class FakeOpenAI:
+    """A tiny OpenAI-compatible streaming server; ``gate`` holds the stream after its first chunk."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.bodies: list[dict[str, Any]] = []
+        self.gate = asyncio.Event()
+        self.finished = False
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        if self.mode in ("400", "429", "500"):
+            err = {"error": {"message": f"upstream says {self.mode}", "type": "x", "param": None, "code": None}}
+            return web.json_response(err, status=int(self.mode))
+        if self.mode == "hang":
+            await asyncio.sleep(5)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n')
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n')
+        if self.mode == "break":
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+        await asyncio.wait_for(self.gate.wait(), timeout=10)
+        await resp.write(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n')
+        self.finished = True
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[FakeOpenAI, str]]:
+    fake = FakeOpenAI()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", fake.chat)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield fake, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        fake.gate.set()
+        await runner.cleanup()
+
+
+BODY = {"model": "caller-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+async def test_proxy_relays_chunk_by_chunk(session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str]) -> None:
+    fake, url = upstream
+    rt = ProxyRuntime(url + "/", session, model="served-model")
+    assert rt.name == f"proxy:{url}"
+    gen = rt.stream(BODY)
+    got = b""
+    while b'"Hi"' not in got:
+        got += await asyncio.wait_for(anext(gen), timeout=5)
+    assert not fake.finished and rt.active == 1  # the first content arrived while upstream is still open
+    fake.gate.set()
+    async for chunk in gen:
+        got += chunk
+    assert got.endswith(b"data: [DONE]\n\n") and fake.finished
+    assert fake.bodies[0]["model"] == "served-model" and fake.bodies[0]["messages"] == BODY["messages"]
+    assert rt.active == 0
+    # without a configured model the caller's model is kept
+    fake.gate = asyncio.Event()
+    fake.gate.set()
+    async for _ in ProxyRuntime(url, session).stream(BODY):
+        pass
+    assert fake.bodies[1]["model"] == "caller-model"
+
+
+@pytest.mark.parametrize("mode,status,msg", [("400", 400, "upstream says 400"), ("429", 429, "upstream says 429"),
+                                             ("500", 502, "upstream says 500")])
+async def test_proxy_maps_upstream_errors(session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str],
+                                          mode: str, status: int, msg: str) -> None:
+    fake, url = upstream
+    fake.mode = mode
+    rt = ProxyRuntime(url, session)
+    with pytest.raises(RuntimeFailure) as ei:
+        await anext(rt.stream(BODY))
+    assert ei.value.status == status and ei.value.message == msg
+    assert rt.active == 0
+
+
+async def test_proxy_unreachable_timeout_and_break(session: aiohttp.ClientSession,
+                                                   upstream: tuple[FakeOpenAI, str]) -> None:
+    fake, url = upstream
+    with socket_port() as dead:
+        rt = ProxyRuntime(f"http://127.0.0.1:{dead}", session, timeouts=ProxyTimeouts(connect_s=2.0))
+        with pytest.raises(RuntimeFailure) as ei:
+            await anext(rt.stream(BODY))
+        assert ei.value.status == 502 and ei.value.code == "runtime_unreachable"
+    fake.mode = "hang"
+    rt = ProxyRuntime(url, session, timeouts=ProxyTimeouts(read_s=0.3))
+    with pytest.raises(RuntimeFailure) as ei:
+        await anext(rt.stream(BODY))
+    assert ei.value.status == 504
+    fake.mode = "break"
+    rt = ProxyRuntime(url, session)
+    with pytest.raises(RuntimeFailure) as ei:
+        async for _ in rt.stream(BODY):
+            pass
+    assert ei.value.code == "runtime_dropped" and rt.active == 0
+
+
+class socket_port:
+    """A loopback port that nothing listens on (bound then closed)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+async def test_miner_in_front_of_proxy_streams_before_upstream_ends(
+        session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str], make_miner: Any) -> None:
+    fake, url = upstream
+    async with aiohttp.ClientSession() as miner_session:
+        m = await make_miner(runtime=ProxyRuntime(url, miner_session), slots=1)
+        raw = json.dumps(BODY).encode()
+        async with session.post(m.url + CHAT_PATH, data=raw, headers=Signer().headers(raw)) as resp:
+            assert resp.status == 200
+            got = b""
+            while b'"Hi"' not in got:
+                got += await asyncio.wait_for(resp.content.readany(), timeout=5)
+            assert not fake.finished
+            fake.gate.set()
+            got += await resp.content.read()
+        assert got.endswith(b"data: [DONE]\n\n")
+        async with session.get(m.url + "/health") as r:
+            assert (await r.json())["runtime"] == f"proxy:{url}"
+        fake.mode = "500"
+        status, body = await post(session, m, raw, Signer().headers(raw))
+        assert status == 502 and _err(body)["message"] == "upstream says 500"
+        assert m.server.busy == 0
+
+
+# ---- keys and CLI ------------------------------------------------------------------------------------
+
+
+def test_dev_keypair() -> None:
+    assert dev_keypair("Alice").ss58_address == "5GrwvaEF5zXb26Fz9rcQpDWS57CtERHpNehXCPcNoHGKutQY"
+    assert dev_keypair("//Bob").ss58_address == dev_keypair("Bob").ss58_address != dev_keypair("Alice").ss58_address
+
+
+def test_load_hotkey(tmp_path: Path) -> None:
+    w = bt.Wallet(name="mw", hotkey="hk", path=str(tmp_path))
+    w.create_new_hotkey(suppress=True)
+    kp = load_hotkey("mw", "hk", str(tmp_path))
+    assert kp.ss58_address == w.hotkey.ss58_address
+    assert kp.verify(b"x", kp.sign(b"x"))
+    with pytest.raises(MissingKeyError) as ei:
+        load_hotkey("mw", "nope", str(tmp_path))
+    assert isinstance(ei.value, KeyError)
+    msg = str(ei.value)
+    assert "nope" in msg and str(tmp_path) in msg and "btcli wallet new-hotkey" in msg
+
+
+def test_cli_missing_wallet_and_bad_args(tmp_path: Path) -> None:
+    assert main(["--wallet.path", str(tmp_path), "--wallet.name", "ghost", "--allow", VALI.ss58_address]) == 2
+    args = parse_args(["--runtime.sim", "rtx5090-slow:time_scale=2", "--allow", "X", "--allow", "Y"])
+    assert args.allow == ["X", "Y"] and args.axon_ip == "127.0.0.1" and args.slots == 4
+    for bad in (["--runtime.sim", "gtx1080"], ["--slots", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "neurons.miner", "--dev-key", "Bob", "--allow", VALI.ss58_address,
+           "--axon.port", "0", "--runtime.sim", "rtx5090:time_scale=20", "--slots", "2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + 30
+        assert proc.stderr is not None
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            if "listening on" in line:
+                port = int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+        assert port, "miner did not report its port"
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            health = json.loads(r.read())
+        assert health == {"status": "ok", "slots": 2, "busy": 0, "runtime": "sim:rtx5090"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+        if proc.stderr is not None:
+            proc.stderr.close()
