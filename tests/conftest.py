@@ -57,6 +57,51 @@ def dead_miner(miner_keys: list[Keypair]) -> DeadMiner:
 
 
 @dataclass
+class SimMiner:
+    """The real reference miner (neurons.miner) over a SimulatedRuntime, as the gateway sees it."""
+
+    tag: str
+    keypair: Any
+    slots: int
+    port: int
+    server: Any  # neurons.miner.MinerServer: .busy, .served, .refused_busy
+    runner: Any
+
+    @property
+    def hotkey(self) -> str:
+        return str(self.keypair.ss58_address)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+async def make_sim_miner(
+    alice: Keypair, miner_keys: list[Keypair]
+) -> AsyncIterator[Callable[..., Awaitable[SimMiner]]]:
+    from neurons.miner import MINER_KEY, AllowList, start_miner
+    from neurons.sim_runtime import SimulatedRuntime, parse_profile
+
+    started: list[SimMiner] = []
+
+    async def make(profile: str = "rtx5090:time_scale=20", *, slots: int = 2, seed: int = 0,
+                   tag: str | None = None) -> SimMiner:
+        i = len(started)
+        kp = miner_keys[i]
+        runtime = SimulatedRuntime(parse_profile(profile), rng=random.Random(seed + i))
+        runner, port = await start_miner(kp, runtime, slots=slots, trust=AllowList({alice.ss58_address}))
+        m = SimMiner(tag=tag or f"sim{i}", keypair=kp, slots=slots, port=int(port), server=runner.app[MINER_KEY],
+                     runner=runner)
+        started.append(m)
+        return m
+
+    yield make
+    for m in started:
+        await m.runner.cleanup()
+
+
+@dataclass
 class Harness:
     gateway: Gateway
     router: Router

@@ -472,3 +472,88 @@ async def test_burst_of_mixed_outcomes_balances_the_books(make_miner, make_gatew
     junk = per_uid[h.uids["junk-"]]
     assert junk["failures"][FAIL_GARBAGE] >= 1 and junk["ok"] == 0
     assert junk["failures"][FAIL_GARBAGE] + junk["failures"].get(FAIL_BUSY, 0) == miners[3].requests
+
+
+# -- several simulated miners: the real reference miner (neurons.miner + SimulatedRuntime) -------
+
+
+async def test_several_simulated_miners_serve_a_burst(make_sim_miner, make_gateway):
+    sims = [await make_sim_miner("rtx5090:time_scale=20", slots=2, tag=f"s{i}") for i in range(3)]
+    h = await make_gateway(sims, seed=5, timeouts=UpstreamTimeouts(first_token=10.0, stall=5.0, total=30.0))
+
+    async def one(i: int) -> tuple[int, str | None, int]:
+        async with h.chat(body(stream=i % 2 == 0, max_tokens=24)) as r:
+            if r.status != 200:
+                await r.read()
+                return r.status, None, 0
+            uid = r.headers["X-Tensorgate-Miner-Uid"]
+            if i % 2 == 0:
+                events = await read_sse(r)
+                assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+                return 200, uid, len(contents(events))
+            data = await r.json()
+            return 200, uid, data["usage"]["completion_tokens"]
+
+    results = await asyncio.gather(*(one(i) for i in range(10)))  # 10 > 6 slots: some get 429
+    served = [r for r in results if r[0] == 200]
+    assert len(served) >= 6 and all(r[0] in (200, 429) for r in results)
+    assert all(1 <= n <= 24 for _, _, n in served)  # the card may stop early ("stop"), never more
+    assert len({uid for _, uid, _ in served}) == 3  # every card got work
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and all(s.server.busy == 0 for s in sims))
+    assert len(h.measurements()) == h.upstream.dispatched
+    assert sum(s.server.served + s.server.refused_busy for s in sims) == h.upstream.dispatched
+    assert all(m.failure in (None, FAIL_BUSY) for m in h.measurements())
+
+
+async def test_slow_card_measures_slower_than_fast_card(make_sim_miner, make_gateway):
+    fast = await make_sim_miner("rtx5090:time_scale=4,jitter=0", slots=1, tag="fast")
+    slow = await make_sim_miner("rtx5090-slow:time_scale=4,jitter=0", slots=1, tag="slow")
+    h = await make_gateway([fast, slow])
+    for _ in range(3):
+        for uid in (1, 2):
+            lease = h.router.acquire_uid(uid)
+            assert lease is not None
+            try:
+                m = await h.upstream.probe(lease, body(max_tokens=16))
+            finally:
+                h.router.release(lease)
+            assert m.ok and m.completion_tokens >= 8
+    ttft = {uid: h.upstream.stats[uid].ttft_p50() for uid in (1, 2)}
+    # fast: 0.45 s / 4 = 0.11 s, slow: 0.9 s / 4 = 0.23 s; TTFT is never below the card's own delay
+    assert ttft[1] >= 0.10 and ttft[2] >= 0.21
+    assert ttft[2] > ttft[1] + 0.05
+
+
+async def test_disconnect_frees_the_real_miners_slot(make_sim_miner, make_gateway):
+    sim = await make_sim_miner("rtx5090:time_scale=1", slots=1)  # ~0.5 s TTFT then 440 tok/s
+    h = await make_gateway([sim], timeouts=UpstreamTimeouts(first_token=10.0, stall=5.0, total=30.0))
+    resp = await h.client.post(h.base_url + "/v1/chat/completions", json=body(max_tokens=2000), headers=h.auth)
+    assert resp.status == 200
+    async for line in resp.content:
+        if b'"content":"' in line and b'"content":""' not in line:
+            break
+    assert sim.server.busy == 1
+    resp.close()
+    assert await eventually(lambda: sim.server.busy == 0 and h.router.total_in_flight() == 0)
+    assert await eventually(lambda: len(h.measurements()) == 1)
+    assert h.measurements()[0].failure == CLIENT_DISCONNECT
+    async with h.chat(body(stream=False, max_tokens=4)) as r:  # the single slot is usable again
+        assert r.status == 200
+
+
+@pytest.mark.parametrize(
+    ("knobs", "reason"),
+    [("drop_after_tokens=3", FAIL_DROPPED), ("garbage=1", FAIL_GARBAGE), ("overlong=1", FAIL_OVERLONG),
+     ("nan_usage=1", FAIL_GARBAGE), ("fail_rate=1", FAIL_HTTP)],
+)
+async def test_real_miner_fault_knobs_are_recorded(make_sim_miner, make_gateway, knobs, reason):
+    sim = await make_sim_miner(f"rtx5090:time_scale=20,stop_rate=0,{knobs}", slots=1)
+    h = await make_gateway([sim])
+    lease = h.router.acquire_uid(1)
+    assert lease is not None
+    try:
+        m = await h.upstream.probe(lease, body(max_tokens=16))
+    finally:
+        h.router.release(lease)
+    assert m.failure == reason
+    assert await eventually(lambda: sim.server.busy == 0)
