@@ -80,7 +80,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 @pytest.fixture
-async def make_miner() -> AsyncIterator[Any]:
+async def make_ref_miner() -> AsyncIterator[Any]:
     runners: list[web.AppRunner] = []
 
     async def make(runtime: Any = None, slots: int = 4, trust: Any = None, **kw: Any) -> Miner:
@@ -114,8 +114,8 @@ def sse_events(text: str) -> list[Any]:
 # ---- happy path ------------------------------------------------------------------------------------
 
 
-async def test_health_and_signed_stream(session: aiohttp.ClientSession, make_miner: Any) -> None:
-    m = await make_miner(slots=3)
+async def test_health_and_signed_stream(session: aiohttp.ClientSession, make_ref_miner: Any) -> None:
+    m = await make_ref_miner(slots=3)
     async with session.get(m.url + "/health") as r:
         assert r.status == 200
         assert await r.json() == {"status": "ok", "slots": 3, "busy": 0, "runtime": "sim:rtx5090"}
@@ -140,8 +140,8 @@ def _err(body: Any) -> dict[str, Any]:
     return body["error"]
 
 
-async def test_auth_refusals(session: aiohttp.ClientSession, make_miner: Any) -> None:
-    m = await make_miner()
+async def test_auth_refusals(session: aiohttp.ClientSession, make_ref_miner: Any) -> None:
+    m = await make_ref_miner()
     raw = payload()
     # unsigned
     status, body = await post(session, m, raw, {"Content-Type": "application/json"})
@@ -173,9 +173,10 @@ async def test_auth_refusals(session: aiohttp.ClientSession, make_miner: Any) ->
     assert m.server.busy == 0 and m.server.served == 1
 
 
-async def test_many_concurrent_signed_requests_all_accepted(session: aiohttp.ClientSession, make_miner: Any) -> None:
+async def test_many_concurrent_signed_requests_all_accepted(session: aiohttp.ClientSession,
+                                                             make_ref_miner: Any) -> None:
     n = 40
-    m = await make_miner(slots=n)
+    m = await make_ref_miner(slots=n)
     signer = Signer()
     raws = [payload(max_tokens=4) for _ in range(n)]  # identical bodies: only the nonce tells them apart
     results = await asyncio.gather(*(post(session, m, raw, signer.headers(raw)) for raw in raws))
@@ -187,8 +188,8 @@ async def test_many_concurrent_signed_requests_all_accepted(session: aiohttp.Cli
 # ---- request validation ---------------------------------------------------------------------------------
 
 
-async def test_body_cap_and_bad_json(session: aiohttp.ClientSession, make_miner: Any) -> None:
-    m = await make_miner(max_body_bytes=4096)
+async def test_body_cap_and_bad_json(session: aiohttp.ClientSession, make_ref_miner: Any) -> None:
+    m = await make_ref_miner(max_body_bytes=4096)
     big = payload(padding="x" * 5000)
     status, body = await post(session, m, big, Signer().headers(big))
     assert status == 413 and _err(body)["code"] == "payload_too_large"
@@ -210,8 +211,8 @@ async def test_body_cap_and_bad_json(session: aiohttp.ClientSession, make_miner:
 # ---- slots ------------------------------------------------------------------------------------------
 
 
-async def test_full_miner_answers_429_at_once_never_queues(session: aiohttp.ClientSession, make_miner: Any) -> None:
-    m = await make_miner(runtime=fast_card(time_scale=1.0), slots=2)
+async def test_full_miner_answers_429_at_once_never_queues(session: aiohttp.ClientSession, make_ref_miner: Any) -> None:
+    m = await make_ref_miner(runtime=fast_card(time_scale=1.0), slots=2)
     signer = Signer()
     held = []
     for _ in range(2):
@@ -237,8 +238,8 @@ async def test_full_miner_answers_429_at_once_never_queues(session: aiohttp.Clie
     assert status == 200
 
 
-async def test_slot_freed_on_runtime_error(session: aiohttp.ClientSession, make_miner: Any) -> None:
-    m = await make_miner(runtime=fast_card(fail_rate=1.0), slots=1)
+async def test_slot_freed_on_runtime_error(session: aiohttp.ClientSession, make_ref_miner: Any) -> None:
+    m = await make_ref_miner(runtime=fast_card(fail_rate=1.0), slots=1)
     for _ in range(3):  # would be 429 after the first if the slot leaked
         raw = payload()
         status, body = await post(session, m, raw, Signer().headers(raw))
@@ -266,10 +267,10 @@ class BreaksMidStream:
 
 
 @pytest.mark.parametrize("exc", [RuntimeFailure("card fell over"), ZeroDivisionError("bug")])
-async def test_slot_freed_on_mid_stream_error(session: aiohttp.ClientSession, make_miner: Any,
+async def test_slot_freed_on_mid_stream_error(session: aiohttp.ClientSession, make_ref_miner: Any,
                                               exc: Exception) -> None:
     rt = BreaksMidStream(exc)
-    m = await make_miner(runtime=rt, slots=1)
+    m = await make_ref_miner(runtime=rt, slots=1)
     for _ in range(2):
         raw = payload()
         status, text = await post(session, m, raw, Signer().headers(raw))
@@ -280,10 +281,10 @@ async def test_slot_freed_on_mid_stream_error(session: aiohttp.ClientSession, ma
 
 
 @pytest.mark.parametrize("hang_s", [0.0, 30.0])  # disconnect while decoding, and while waiting for a first token
-async def test_slot_freed_on_client_disconnect(session: aiohttp.ClientSession, make_miner: Any,
+async def test_slot_freed_on_client_disconnect(session: aiohttp.ClientSession, make_ref_miner: Any,
                                                hang_s: float) -> None:
     rt = fast_card(time_scale=1.0, hang_s=hang_s)
-    m = await make_miner(runtime=rt, slots=1)
+    m = await make_ref_miner(runtime=rt, slots=1)
     raw = payload(max_tokens=20000)
     resp = await session.post(m.url + CHAT_PATH, data=raw, headers=Signer().headers(raw))
     assert resp.status == 200
@@ -464,10 +465,10 @@ class socket_port:
 
 
 async def test_miner_in_front_of_proxy_streams_before_upstream_ends(
-        session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str], make_miner: Any) -> None:
+        session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str], make_ref_miner: Any) -> None:
     fake, url = upstream
     async with aiohttp.ClientSession() as miner_session:
-        m = await make_miner(runtime=ProxyRuntime(url, miner_session), slots=1)
+        m = await make_ref_miner(runtime=ProxyRuntime(url, miner_session), slots=1)
         raw = json.dumps(BODY).encode()
         async with session.post(m.url + CHAT_PATH, data=raw, headers=Signer().headers(raw)) as resp:
             assert resp.status == 200
