@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from collections import Counter
 
 import aiohttp
+import bittensor as bt
 import pytest
 
+from gateway.auth import ApiKeyAuth, bearer_token, hash_key, load_key_hashes
 from gateway.measurement import (
     CLIENT_DISCONNECT,
     FAIL_BUSY,
@@ -21,6 +24,8 @@ from gateway.measurement import (
     FAIL_OVERLONG,
     FAIL_TIMEOUT,
 )
+from gateway.signing import RequestSigner
+from gateway.sse import SSEGarbage, SSEParser, parse_chunk
 from gateway.upstream import UpstreamTimeouts
 from tests.conftest import API_KEY
 from tests.fakes import MODEL, Script, body, contents, eventually, read_sse
@@ -31,6 +36,100 @@ async def error_of(resp: aiohttp.ClientResponse) -> dict:
     err = (await resp.json())["error"]
     assert set(err) == {"message", "type", "param", "code"}
     return err
+
+
+# -- pure pieces: SSE parsing, auth, signing ----------------------------------------------------
+
+
+def test_sse_parser_is_incremental_across_any_split():
+    stream = ('data: {"a": "h\u00e9llo \u2603"}\r\n\r\n: comment\nevent: x\ndata: line1\ndata: line2\n\n'
+              "data: [DONE]\n\n").encode()
+    whole = SSEParser().feed(stream)
+    assert whole == ['{"a": "h\u00e9llo \u2603"}', "line1\nline2", "[DONE]"]
+    p = SSEParser()
+    one_by_one = [e for i in range(len(stream)) for e in p.feed(stream[i:i + 1])]  # splits multibyte UTF-8 too
+    assert one_by_one == whole
+
+
+@pytest.mark.parametrize("data", [b"data: " + b"x" * 70_000, b"data: \xff\xfe\n\n", b"x" * 65_537])
+def test_sse_parser_rejects_overlong_lines_and_bad_utf8(data):
+    with pytest.raises(SSEGarbage):
+        p = SSEParser(max_line_bytes=64 * 1024)
+        for i in range(0, len(data), 4096):
+            p.feed(data[i:i + 4096])
+
+
+@pytest.mark.parametrize(
+    "data",
+    ['{"choices": [{"delta": {"content": "x"}}], "n": NaN}', '{"choices": [], "v": Infinity}',
+     '{"choices": [], "v": 1e999}', '{"choices": [{}, {}]}', '{"choices": [{"delta": {"role": "user"}}]}',
+     '{"choices": [{"delta": {"content": 5}}]}', '{"choices": [{"delta": [], "finish_reason": null}]}',
+     '{"choices": [{"delta": {}, "finish_reason": "exploded"}]}', '{"object": "chat.completion", "choices": []}',
+     '{"choices": [], "usage": {"completion_tokens": -1}}', '[1, 2]', '{"choices": [{"delta": {"content": "'
+     + "y" * 5000 + '"}}]}', "{nope"],
+)
+def test_parse_chunk_rejects_bad_shapes(data):
+    with pytest.raises(SSEGarbage):
+        parse_chunk(data)
+
+
+def test_parse_chunk_accepts_the_usual_shapes():
+    assert parse_chunk('{"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": '
+                       '"assistant", "content": ""}, "finish_reason": null}]}').role == "assistant"
+    c = parse_chunk('{"choices": [{"delta": {"content": "hi"}, "finish_reason": "stop"}], "usage": null}')
+    assert (c.content, c.finish_reason, c.usage) == ("hi", "stop", None)
+    u = parse_chunk('{"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}')
+    assert u.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5} and u.content == ""
+
+
+def test_api_keys_from_file_list_and_env(tmp_path):
+    f = tmp_path / "keys.txt"
+    f.write_text("# operators\nsk-file-1\n\n  sk-file-2   # trailing comment\n#sk-disabled\n")
+    hashes = load_key_hashes(keys_file=f, keys=["sk-list"], env={"TENSORGATE_API_KEYS": "sk-env-1, sk-env-2,"})
+    assert hashes == {hash_key(k) for k in ("sk-file-1", "sk-file-2", "sk-list", "sk-env-1", "sk-env-2")}
+    assert not any("sk-" in h for h in hashes)  # only hashes are kept
+    auth = ApiKeyAuth(hashes)
+    assert auth.check("Bearer sk-file-2") and auth.check("bearer sk-env-1")
+    for bad in (None, "", "Bearer", "Bearer sk-disabled", "sk-list", "Basic sk-list", "Bearer sk-list-2"):
+        assert not auth.check(bad)
+    assert bearer_token("Bearer  abc ") == "abc"
+    assert not ApiKeyAuth(frozenset()).check("Bearer anything")
+
+
+def test_signer_nonces_strictly_increase_across_threads(alice):
+    signer = RequestSigner(alice)
+    per_thread: list[list[int]] = [[] for _ in range(4)]
+
+    def run(out: list[int]) -> None:
+        for _ in range(500):
+            out.append(signer.next_nonce())
+
+    threads = [threading.Thread(target=run, args=(out,)) for out in per_thread]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    every = [n for out in per_thread for n in out]
+    assert len(set(every)) == 2000
+    assert all(out == sorted(out) and len(set(out)) == len(out) for out in per_thread)
+
+
+def test_signed_request_verifies_at_the_receiver_only(alice, miner_keys):
+    signer = RequestSigner(alice)
+    bob, charlie = miner_keys[0].ss58_address, miner_keys[1].ss58_address
+    body_bytes = b'{"x": 1}'
+    store = bt.http_auth.InMemoryNonceStore()
+    h1 = signer.sign(path="/v1/chat/completions", body=body_bytes, receiver_ss58=bob)
+    h2 = signer.sign(path="/v1/chat/completions", body=body_bytes, receiver_ss58=bob)  # same instant, same body
+    for h in (h1, h2):
+        caller = bt.http_auth.verify(h, body_bytes, method="POST", path="/v1/chat/completions",
+                                     self_hotkey_ss58=bob, nonce_store=store)
+        assert caller.hotkey_ss58 == alice.ss58_address
+    with pytest.raises(bt.http_auth.ReplayedRequest):
+        bt.http_auth.verify(h1, body_bytes, method="POST", path="/v1/chat/completions", self_hotkey_ss58=bob,
+                            nonce_store=store)
+    with pytest.raises(bt.http_auth.WrongReceiver):
+        bt.http_auth.verify(h1, body_bytes, method="POST", path="/v1/chat/completions", self_hotkey_ss58=charlie)
 
 
 # -- happy paths ---------------------------------------------------------------------------------
