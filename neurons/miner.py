@@ -252,8 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description="tensorgate reference miner: signed, slot-limited chat completions")
     p.add_argument("--netuid", type=int, default=1, help="subnet to serve (network mode)")
     p.add_argument("--network", default="finney", help="finney | test | local | ws://host:port")
-    p.add_argument("--wallet.name", dest="wallet_name", default="default")
-    p.add_argument("--wallet.hotkey", dest="wallet_hotkey", default="default")
+    p.add_argument("--wallet.name", dest="wallet_name", default="default", help="wallet (coldkey) name")
+    p.add_argument("--wallet.hotkey", dest="wallet_hotkey", default="default", help="hotkey name in the wallet")
     p.add_argument("--wallet.path", dest="wallet_path", default=None, help="default ~/.bittensor/wallets")
     p.add_argument("--dev-key", dest="dev_key", default=None, metavar="NAME",
                    help="use the development key //NAME instead of a wallet (local testing only)")
