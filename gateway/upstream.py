@@ -111,6 +111,23 @@ def _max_tokens_of(body: dict[str, Any], default: int) -> int:
     return default
 
 
+_LEADING = ("model", "messages")
+_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "stop", "seed")
+_FORCED = ("max_tokens", "max_completion_tokens", "stream", "stream_options")
+
+
+def _canonical_body(payload: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The miner-bound body in one fixed key order, so probes and organic requests look alike."""
+    body: dict[str, Any] = {k: payload[k] for k in _LEADING if k in payload}
+    body["max_tokens"] = max_tokens
+    body.update((k, payload[k]) for k in _SAMPLING if k in payload)
+    known = {*_LEADING, *_SAMPLING, *_FORCED}
+    body.update((k, payload[k]) for k in sorted(payload) if k not in known)
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    return body
+
+
 class Upstream:
     """Dispatches requests to miners over one shared ``aiohttp.ClientSession``."""
 
@@ -192,11 +209,8 @@ class UpstreamStream:
         self.probe = probe
         self._tmo = timeouts
         limits = upstream.limits
-        body = {k: v for k, v in payload.items() if k != "max_completion_tokens"}
         self.max_tokens = _max_tokens_of(payload, limits.default_max_tokens)
-        body["max_tokens"] = self.max_tokens
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        body = _canonical_body(payload, self.max_tokens)
         messages = body.get("messages")
         self.prompt_tokens = estimate_prompt_tokens(messages) if isinstance(messages, list) else 0
         self._body = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()

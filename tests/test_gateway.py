@@ -656,3 +656,22 @@ async def test_real_miner_fault_knobs_are_recorded(make_sim_miner, make_gateway,
         h.router.release(lease)
     assert m.failure == reason
     assert await eventually(lambda: sim.server.busy == 0)
+
+
+async def test_probe_and_organic_bodies_look_alike(make_miner, make_gateway):
+    """A miner cannot tell a probe from organic traffic by the request body's shape."""
+    m = await make_miner(Script("ok", tokens=2))
+    h = await make_gateway([m])
+    organic = body(stream=False, max_tokens=2, temperature=0.5)
+    async with h.chat(organic) as r:
+        assert r.status == 200
+    lease = h.router.acquire_uid(1)
+    assert lease is not None
+    try:  # a probe payload as neurons.prompts builds it: different key order, "stream" already set
+        await h.upstream.probe(lease, {"stream": True, "temperature": 0.5, "max_tokens": 2, "model": MODEL,
+                                       "messages": organic["messages"]})
+    finally:
+        h.router.release(lease)
+    assert [list(b) for b in m.bodies] == [list(m.bodies[0])] * 2
+    assert m.bodies[0] == m.bodies[1]
+    assert [x.probe for x in h.measurements()] == [False, True]
