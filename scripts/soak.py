@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Soak: routing fairness and incentive soundness, real gateway + router + miners + scoring, compressed time.
+
+Each scenario runs the real :class:`gateway.server.Gateway` and router, reference miners
+(``neurons.miner``) serving the simulated RTX 5090 runtime, probes and the :class:`scoring.Scorer`
+on loopback, under the project's router and under the deterministic tie-break (the known-bad
+baseline), and prints per miner: requests served and share, TTFT p50/p95, round credits, settled
+score and final weight; the summary figures; and the targets as PASS/FAIL lines. It writes a PNG
+per scenario (share and credit per round, one line per miner, a column per router) and a JSON.
+
+Time compression (``--time-scale S``): every duration is simulated and slept as ``1/S`` real
+seconds; the gateway's measurements are multiplied back by S before credit, the credit bands stay
+the production ones (details in ``scripts/soak_lib/timescale.py``). The validator's own per-token
+and per-request overhead is multiplied by S too: above about 10 the measured decode rate of a
+5090 starts to fall under the credit's tolerance on a loaded 2-core machine.
+
+Examples::
+
+    python scripts/soak.py --smoke                              # seconds, for CI
+    python scripts/soak.py --scenario seed --router both        # one simulated hour, ~6 min
+    python scripts/soak.py --scenario all --out soak-out        # everything (~12 min at scale 10)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from loguru import logger  # noqa: E402
+from soak_lib.harness import RunOptions, RunResult, run_scenario  # noqa: E402
+from soak_lib.plot import plot_scenario  # noqa: E402
+from soak_lib.report import format_table, summarize, target_lines, to_json  # noqa: E402
+from soak_lib.scenarios import Scenario, build_scenarios  # noqa: E402
+
+SCENARIO_NAMES = ("seed", "burst", "mixed", "capacity")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python scripts/soak.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--scenario", default="all", choices=(*SCENARIO_NAMES, "all"),
+                   help="seed: 2 identical cards, 1 request/20 s, never overlapping; burst: bursts of 2-16; "
+                        "mixed: 4 cards of different speeds, one degrades, one dies and returns; "
+                        "capacity: one miner with twice the slots")
+    p.add_argument("--router", default="both", choices=("project", "deterministic", "slots", "both", "all"),
+                   help="project: gateway.router.Router as the validator wires it (slots unknown); "
+                        "deterministic: fewest in flight then highest score; slots: the project router with slot "
+                        "counts learned from /health (the capacity-aware proposal); both: project+deterministic; "
+                        "all: the three")
+    p.add_argument("--no-proposal", dest="proposal", action="store_false",
+                   help="do not add the 'slots' router to the capacity scenario")
+    p.add_argument("--time-scale", type=float, default=10.0,
+                   help="simulated seconds per real second (cards, rounds, traffic, probes; credit sees simulated s)")
+    p.add_argument("--window", type=int, default=12, help="settlement window, in rounds")
+    p.add_argument("--seed", type=int, default=1, help="seed of cards, traffic, probes and routers")
+    p.add_argument("--util-ttft", type=float, default=12.0,
+                   help="seed scenario: simulated seconds of extra TTFT per unit of recent busy fraction "
+                        "(stands for other validators' load following the same routing; 0 disables)")
+    p.add_argument("--util-cap", type=float, default=0.7, help="cap of that extra TTFT, simulated seconds")
+    p.add_argument("--sequential-routers", action="store_true",
+                   help="run the routers of a scenario one after the other instead of side by side")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few short rounds at a high time scale, for CI: checks the plumbing, not the figures")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a target FAILs")
+    p.add_argument("--out", type=Path, default=Path("soak-out"), help="directory for the PNGs and soak.json")
+    p.add_argument("--log-level", default="WARNING", help="loguru level for the gateway, miners and scorer")
+    return p
+
+
+def routers_for(args: argparse.Namespace, sc: Scenario) -> list[str]:
+    kinds = {"both": ["project", "deterministic"], "all": ["project", "deterministic", "slots"]}.get(
+        args.router, [args.router])
+    if sc.name == "capacity" and args.proposal and "slots" not in kinds:
+        kinds = [*kinds, "slots"]
+    return kinds
+
+
+async def run_all(args: argparse.Namespace) -> int:
+    window = 2 if args.smoke else args.window
+    scale = 40.0 if args.smoke else args.time_scale
+    opts = RunOptions(scale=scale, seed=args.seed, window=window, util_ttft_s=args.util_ttft,
+                      util_cap_s=args.util_cap)
+    scenarios = build_scenarios(window=window, smoke=args.smoke)
+    names = SCENARIO_NAMES if args.scenario == "all" else (args.scenario,)
+    t0 = time.monotonic()
+    report: dict[str, list[dict]] = {}
+    failed = 0
+    print(f"soak: time scale {scale:g}, settlement window {window} rounds, seed {args.seed}"
+          + (" (smoke)" if args.smoke else ""), flush=True)
+    for name in names:
+        sc = scenarios[name]
+        kinds = routers_for(args, sc)
+        print(f"\n### {sc.name}: {sc.description}; routers {', '.join(kinds)}", flush=True)
+        results: dict[str, RunResult] = {}
+        if args.sequential_routers:
+            for k in kinds:
+                results[k] = await run_scenario(sc, k, opts)
+        else:
+            done = await asyncio.gather(*(run_scenario(sc, k, opts) for k in kinds))
+            results = dict(zip(kinds, done, strict=True))
+        summaries = {k: summarize(sc, r) for k, r in results.items()}
+        for k, r in results.items():
+            print(format_table(sc, r, summaries[k]), flush=True)
+        lines = target_lines(sc, summaries)
+        failed += sum(1 for line in lines if line.startswith("FAIL"))
+        print("\n".join(lines), flush=True)
+        path, why = plot_scenario(sc, results, args.out)
+        print(f"plot: {path}" if path else f"plot: {why}", flush=True)
+        report[name] = [to_json(sc, r, summaries[k]) for k, r in results.items()]
+    args.out.mkdir(parents=True, exist_ok=True)
+    wall = time.monotonic() - t0
+    meta = {"time_scale": scale, "window": window, "seed": args.seed, "smoke": args.smoke, "wall_s": wall,
+            "util_ttft_s": args.util_ttft, "util_cap_s": args.util_cap,
+            "options": dataclasses.asdict(opts)}
+    (args.out / "soak.json").write_text(json.dumps({"meta": meta, "scenarios": report}, indent=1, default=str))
+    print(f"\nsoak done in {wall:.0f} s wall; {failed} target(s) failed; json: {args.out / 'soak.json'}")
+    return 1 if (failed and args.strict) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level.upper(), format="{time:HH:mm:ss} {level: <7} {message}")
+    try:
+        return asyncio.run(run_all(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

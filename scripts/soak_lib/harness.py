@@ -1,0 +1,322 @@
+"""Runs one scenario under one router: real gateway, router, reference miners, probes and scorer.
+
+Everything lives on one event loop on loopback ephemeral ports: the simulated cards behind
+:func:`neurons.miner.start_miner`, a :class:`gateway.server.Gateway` with the router under test,
+:class:`gateway.upstream.Upstream` signing with a validator hotkey, :class:`scoring.Scorer` fed
+through :class:`soak_lib.timescale.TimeScaledSink`, probes from :class:`neurons.probes.ProbeRunner`,
+and organic clients posting to the gateway over HTTP. Each round: events (degrade, die, revive),
+traffic and probes for ``round_s``, drain, ``close_round``, routing scores and weights republished.
+
+Example::
+
+    result = asyncio.run(run_scenario(build_scenarios()["burst"], "project", RunOptions(scale=20.0)))
+    result.series["card-a"].share       # per-round organic share
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from bittensor.sp_core import Keypair
+from loguru import logger
+
+from gateway.measurement import Measurement
+from gateway.router import Candidate, Router
+from gateway.server import Gateway, GatewayConfig
+from gateway.signing import RequestSigner
+from gateway.upstream import Upstream, UpstreamTimeouts
+from neurons.miner import AllowList, start_miner
+from neurons.probes import ProbeRunner
+from neurons.prompts import PromptGenerator
+from scoring.credit import CreditConfig
+from scoring.rounds import percentile
+from scoring.scorer import Scorer
+
+from .load import CardRuntime, MultiCardRuntime
+from .routers import learn_slots, make_router
+from .scenarios import Scenario
+from .timescale import TimeScaledSink, scaled_timeouts
+
+API_KEY = "sk-soak-local-0000"
+MODEL = "tensorgate/sim-5090"
+DRAIN_S = 10.0  # real seconds a round waits for stragglers before it closes anyway
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    scale: float = 20.0
+    seed: int = 1
+    window: int = 12
+    util_ttft_s: float = 12.0  # simulated seconds of TTFT per unit of recent busy fraction (seed only)
+    util_cap_s: float = 0.7
+    util_tau_s: float = 300.0
+
+
+@dataclass
+class MinerSeries:
+    """Per-round figures of one miner (index = round)."""
+
+    label: str
+    uid: int
+    hotkey: str
+    dispatched: list[int] = field(default_factory=list)  # organic dispatches, any outcome
+    served: list[int] = field(default_factory=list)  # organic, completed OK
+    share: list[float] = field(default_factory=list)  # served / all organic served in the round
+    probes: list[int] = field(default_factory=list)
+    credit: list[float | None] = field(default_factory=list)  # round score; None: no request
+    settled: list[float] = field(default_factory=list)
+    weight: list[float] = field(default_factory=list)
+    alive: list[bool] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)  # simulated s, successful requests (organic + probes)
+    runtime_ttfts: list[float] = field(default_factory=list)  # simulated s, measured inside the card
+    max_in_flight_at_dispatch: int = 0
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    router: str
+    scale: float
+    rounds: int
+    series: dict[str, MinerSeries]
+    wall_s: float = 0.0
+    client: Counter[str] = field(default_factory=Counter)
+    overlap_violations: int = 0  # sequential traffic: dispatches with something already in flight
+    sequential: bool = False
+    slots_seen: dict[str, int] = field(default_factory=dict)
+
+
+class _Prompts(PromptGenerator):
+    """The project's prompt generator with the scenario's completion lengths (sub-second in ``seed``)."""
+
+    def __init__(self, rng: random.Random, max_tokens: tuple[int, ...]) -> None:
+        super().__init__(rng)
+        self._choices = max_tokens
+
+    def payload(self, model: str) -> dict[str, Any]:
+        p = super().payload(model)
+        p["max_tokens"] = self._rng.choice(self._choices)
+        return p
+
+
+class _Miner:
+    def __init__(self, label: str, uid: int, key: Keypair, runtime: CardRuntime | MultiCardRuntime,
+                 slots: int) -> None:
+        self.label, self.uid, self.key, self.runtime, self.slots = label, uid, key, runtime, slots
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self, trust: AllowList) -> None:
+        self.runner, self.port = await start_miner(self.key, self.runtime, slots=self.slots, trust=trust,
+                                                   host="127.0.0.1", port=self.port)
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            await runner.cleanup()
+
+
+def _runtime_for(spec: Any, opts: RunOptions, rng: random.Random, util: bool) -> CardRuntime | MultiCardRuntime:
+    def card() -> CardRuntime:
+        return CardRuntime(spec.profile, scale=opts.scale, rng=random.Random(rng.random()),
+                           util_ttft_s=opts.util_ttft_s if util else 0.0, util_cap_s=opts.util_cap_s,
+                           util_tau_s=opts.util_tau_s)
+    if spec.cards > 1:
+        return MultiCardRuntime([card() for _ in range(spec.cards)])
+    return card()
+
+
+async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunResult:
+    """One bounded soak run; every server and task is stopped before it returns."""
+    t_start = time.monotonic()
+    rng = random.Random(f"{opts.seed}:{sc.name}")  # same traffic and cards for every router
+    router_rng = random.Random(f"{opts.seed}:{sc.name}:{router_kind}")
+    scale = opts.scale
+    vkey = Keypair.create_from_uri("//tensorgate-soak-validator")
+    trust = AllowList({vkey.ss58_address})
+    miners = [_Miner(spec.label, uid, Keypair.create_from_uri(f"//tensorgate-soak-miner-{uid}"),
+                     _runtime_for(spec, opts, rng, sc.util_ttft), spec.slots)
+              for uid, spec in enumerate(sc.cards, start=1)]
+    by_label = {m.label: m for m in miners}
+    by_uid = {m.uid: m for m in miners}
+    hk2uid = {m.key.ss58_address: m.uid for m in miners}
+    result = RunResult(sc.name, router_kind, scale, sc.rounds,
+                       {m.label: MinerSeries(m.label, m.uid, m.key.ss58_address) for m in miners},
+                       sequential=sc.traffic.kind == "sequential")
+    current: list[Measurement] = []
+
+    def tap(m: Measurement) -> None:
+        current.append(m)
+        s = result.series[by_uid[m.uid].label]
+        if m.ok and m.ttft_s is not None:
+            s.ttfts.append(m.ttft_s)
+        if not m.probe:
+            s.max_in_flight_at_dispatch = max(s.max_in_flight_at_dispatch, m.in_flight)
+
+    scorer = Scorer(CreditConfig(), store=None, window=opts.window)
+    router: Router = make_router(router_kind, router_rng)
+    tasks: set[asyncio.Task[Any]] = set()
+    async with contextlib.AsyncExitStack() as stack:
+        for m in miners:
+            await m.start(trust)
+            stack.push_async_callback(m.stop)
+        session = await stack.enter_async_context(aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)))
+        client = await stack.enter_async_context(aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)))
+        slots = {m.uid: 1 for m in miners}
+        if router_kind == "slots":
+            for m in miners:
+                slots[m.uid] = await learn_slots(session, m.endpoint)
+        result.slots_seen = {m.label: slots[m.uid] for m in miners}
+        router.sync([Candidate(uid=m.uid, hotkey=m.key.ss58_address, endpoint=m.endpoint, slots=slots[m.uid])
+                     for m in miners])
+        sink = TimeScaledSink(scorer, scale, taps=(tap,))
+        upstream = Upstream(session, RequestSigner(vkey), sink, timeouts=scaled_timeouts(UpstreamTimeouts(), scale))
+        gw = Gateway(GatewayConfig.from_sources(port=0, keys=[API_KEY], models=[MODEL], max_retries=2,
+                                                timeouts=upstream.timeouts), router, upstream)
+        await gw.start()
+        stack.push_async_callback(gw.stop)
+        url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+        prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens)
+        probe_prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens)
+        traffic_rng = random.Random(rng.random())
+        probes = ProbeRunner(router, upstream.probe, probe_prompts, MODEL, random.Random(rng.random()))
+        alive = {m.label: True for m in miners}
+
+        async def organic() -> None:
+            body = prompts.payload(MODEL)
+            try:
+                async with client.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                                       timeout=aiohttp.ClientTimeout(total=max(30.0, 600.0 / scale))) as resp:
+                    await resp.read()
+                    result.client[str(resp.status)] += 1
+            except (TimeoutError, aiohttp.ClientError) as e:
+                result.client[type(e).__name__] += 1
+
+        def spawn(coro: Any) -> None:
+            t = asyncio.create_task(coro)
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+        async def probe_one(uid: int) -> None:
+            lease = router.acquire_uid(uid)
+            if lease is None:
+                return
+            try:
+                await upstream.probe(lease, probe_prompts.payload(MODEL))
+            finally:
+                router.release(lease)
+
+        async def sequential_round(round_real: float) -> None:
+            """One request at a time: organic every interval, probes half-way between two of them."""
+            interval = sc.traffic.interval_s
+            n = max(1, int(sc.round_s // interval))
+            plan: list[tuple[float, int | None]] = [(k * interval, None) for k in range(n)]
+            slots_for_probes = traffic_rng.sample(range(n), min(n, sc.probes_per_miner * len(miners)))
+            uids = [m.uid for m in miners for _ in range(sc.probes_per_miner)]
+            plan += [(k * interval + interval / 2, uid) for k, uid in zip(slots_for_probes, uids, strict=False)]
+            plan.sort(key=lambda x: x[0])
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for at, uid in plan:
+                delay = start + at / scale - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if router.total_in_flight() != 0:
+                    result.overlap_violations += 1
+                if uid is None:
+                    await organic()
+                elif alive[by_uid[uid].label]:
+                    await probe_one(uid)
+            left = start + round_real - loop.time()
+            if left > 0:
+                await asyncio.sleep(left)
+
+        async def open_loop_round(round_real: float) -> None:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + round_real
+            tr = sc.traffic
+            while True:
+                gap = traffic_rng.expovariate(1.0 / tr.interval_s) if tr.kind == "poisson" else tr.interval_s
+                if loop.time() + gap / scale >= end:
+                    break
+                await asyncio.sleep(gap / scale)
+                k = traffic_rng.randint(tr.burst_min, tr.burst_max) if tr.kind == "burst" else 1
+                for _ in range(k):
+                    spawn(organic())
+            left = end - loop.time()
+            if left > 0:
+                await asyncio.sleep(left)
+
+        try:
+            for r in range(sc.rounds):
+                for ev in sc.events:
+                    if ev.round != r:
+                        continue
+                    m = by_label[ev.label]
+                    if ev.action == "die":
+                        await m.stop()
+                        alive[m.label] = False
+                    elif ev.action == "revive":
+                        await m.start(trust)
+                        alive[m.label] = True
+                    elif ev.action == "degrade" and ev.profile is not None:
+                        m.runtime.set_profile(ev.profile)
+                    logger.info("{} round {}: {} {}", sc.name, r, ev.label, ev.action)
+                round_real = sc.round_s / scale
+                if sc.traffic.kind == "sequential":
+                    await sequential_round(round_real)
+                else:
+                    await asyncio.gather(open_loop_round(round_real),
+                                         probes.run_round(sc.probes_per_miner, round_real))
+                if tasks:  # organic stragglers; probes and sequential traffic are already awaited
+                    await asyncio.wait(set(tasks), timeout=DRAIN_S)
+                _close(scorer, router, result, miners, alive, current, hk2uid)
+                current.clear()
+        finally:
+            for t in list(tasks):
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    for m in miners:
+        result.series[m.label].runtime_ttfts = list(m.runtime.runtime_ttfts)
+    result.wall_s = time.monotonic() - t_start
+    return result
+
+
+def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[_Miner], alive: dict[str, bool],
+           batch: list[Measurement], hk2uid: dict[str, int]) -> None:
+    report = scorer.close_round()
+    router.set_scores(scorer.routing_scores())
+    weights = scorer.weights(hk2uid)
+    rows = report.by_hotkey()
+    served_total = sum(1 for x in batch if not x.probe and x.ok)
+    for m in miners:
+        s = result.series[m.label]
+        mine = [x for x in batch if x.uid == m.uid]
+        s.dispatched.append(sum(1 for x in mine if not x.probe))
+        served = sum(1 for x in mine if not x.probe and x.ok)
+        s.served.append(served)
+        s.share.append(served / served_total if served_total else 0.0)
+        s.probes.append(sum(1 for x in mine if x.probe))
+        row = rows.get(m.key.ss58_address)
+        s.credit.append(row.credit if row is not None and row.requests else None)
+        s.settled.append(row.settled if row is not None else 0.0)
+        s.weight.append(weights.get(m.uid, 0.0))
+        s.alive.append(alive[m.label])
+
+
+def ttft_summary(s: MinerSeries) -> tuple[float | None, float | None]:
+    return percentile(s.ttfts, 50), percentile(s.ttfts, 95)

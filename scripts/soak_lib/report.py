@@ -1,0 +1,217 @@
+"""Turns soak runs into the per-miner table, summary figures and PASS/FAIL target lines.
+
+Pure: :class:`~soak_lib.harness.RunResult` in, text and plain dicts out (JSON-ready).
+
+Example::
+
+    summary = summarize(scenario, result)
+    print(format_table(scenario, result, summary))
+    for line in target_lines(scenario, {"project": s1, "deterministic": s2}): print(line)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from scoring.rounds import percentile
+
+from .harness import MinerSeries, RunResult
+from .scenarios import Scenario
+
+SHARE_TOLERANCE = 0.10  # identical cards: within 10 % (relative) of the equal share
+CREDIT_TOLERANCE = 0.03  # identical cards: final settled scores within 0.03
+CAPACITY_CREDIT_SLACK = 0.01  # "without a lower credit": measurement noise allowance, stated in the line
+DOMINANT_MARGIN = 0.15  # a round's top-share miner counts as dominant above 1/n + this
+
+
+@dataclass
+class Target:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Summary:
+    router: str
+    total_served: int
+    shares: dict[str, float]
+    expected_shares: dict[str, float]  # proportional to the final settled scores
+    max_round_credit_diff: float | None  # identical cards, over rounds where both were measured
+    final_settled_diff: float | None
+    oscillations: int  # rounds whose dominant miner differs from the previous round's dominant miner
+    starved: dict[str, int]  # rounds with 0 organic dispatches while alive (and traffic was there)
+    targets: list[Target] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _share_halfwidth(n: int, k: int) -> float:
+    """95 % binomial half-width of one miner's share among ``k`` equally likely miners over ``n`` requests."""
+    if n <= 0:
+        return math.inf
+    p = 1.0 / k
+    return 1.96 * math.sqrt(p * (1 - p) / n)
+
+
+def _dominant(series: list[MinerSeries], r: int) -> str | None:
+    live = [s for s in series if s.alive[r]]
+    if not live or sum(s.served[r] for s in live) == 0:
+        return None
+    top = max(live, key=lambda s: s.share[r])
+    return top.label if top.share[r] > 1.0 / len(live) + DOMINANT_MARGIN else None
+
+
+def summarize(sc: Scenario, res: RunResult) -> Summary:
+    series = [res.series[label] for label in sc.labels]
+    total = sum(sum(s.served) for s in series)
+    shares = {s.label: (sum(s.served) / total if total else 0.0) for s in series}
+    final = {s.label: s.settled[-1] for s in series}
+    fsum = sum(final.values())
+    expected = {k: (v / fsum if fsum else 0.0) for k, v in final.items()}
+    max_diff = final_diff = None
+    if len(sc.identical) >= 2:
+        ids = [res.series[label] for label in sc.identical]
+        diffs = []
+        for r in range(res.rounds):
+            cs = [s.credit[r] for s in ids]
+            if all(c is not None for c in cs):
+                diffs.append(max(cs) - min(cs))  # type: ignore[type-var, operator]
+        max_diff = max(diffs) if diffs else None
+        fs = [s.settled[-1] for s in ids]
+        final_diff = max(fs) - min(fs)
+    osc, prev = 0, None
+    for r in range(res.rounds):
+        d = _dominant(series, r)
+        if d is not None and prev is not None and d != prev:
+            osc += 1
+        if d is not None:
+            prev = d
+    starved: dict[str, int] = {}
+    for s in series:
+        n = sum(1 for r in range(res.rounds)
+                if s.alive[r] and s.dispatched[r] == 0 and sum(x.served[r] for x in series) >= 2 * len(series))
+        if n:
+            starved[s.label] = n
+    summ = Summary(res.router, total, shares, expected, max_diff, final_diff, osc, starved)
+    summ.targets = _targets(sc, res, summ)
+    return summ
+
+
+def _targets(sc: Scenario, res: RunResult, summ: Summary) -> list[Target]:
+    out: list[Target] = []
+    S = res.series
+    if len(sc.identical) >= 2:
+        d = summ.final_settled_diff or 0.0
+        out.append(Target("identical cards within 0.03 settled credit", d <= CREDIT_TOLERANCE,
+                          f"settled {', '.join(f'{x}={S[x].settled[-1]:.3f}' for x in sc.identical)}, diff {d:.3f}"))
+        k = len(sc.identical)
+        n = sum(sum(S[x].served) for x in sc.identical)
+        worst = max(abs(summ.shares[x] - 1 / k) * k for x in sc.identical)
+        hw = _share_halfwidth(n, k) * k
+        out.append(Target("identical cards within 10 % of equal share", worst <= SHARE_TOLERANCE,
+                          f"shares {', '.join(f'{x}={summ.shares[x]:.3f}' for x in sc.identical)} of n={n}, "
+                          f"worst {worst:.1%} off (a fair router's 95 % noise band is +-{hw:.1%})"))
+    for slow, fast in sc.slower_than:
+        ws, wf = S[slow].weight[-1], S[fast].weight[-1]
+        out.append(Target(f"slower card {slow!r} weighs strictly less than {fast!r}", ws < wf,
+                          f"weight {slow}={ws:.3f} < {fast}={wf:.3f}"))
+    if sc.degrades is not None:
+        deg = next(e.round for e in sc.events if e.action == "degrade")
+        before = [c for c in S[sc.degrades].credit[:deg] if c is not None]
+        after = [c for c in S[sc.degrades].credit[deg + 1:] if c is not None]
+        b = sum(before) / len(before) if before else 0.0
+        a = sum(after) / len(after) if after else 0.0
+        out.append(Target(f"degraded card {sc.degrades!r} earns less after round {deg}", a < b,
+                          f"mean round credit before {b:.3f}, after {a:.3f}"))
+    if sc.dies is not None:
+        die = next(e.round for e in sc.events if e.action == "die")
+        back = next(e.round for e in sc.events if e.action == "revive")
+        d = S[sc.dies]
+        late = sum(d.dispatched[die + 1:back])
+        out.append(Target(f"dead card {sc.dies!r} out of routing within one round", late == 0,
+                          f"organic dispatches in rounds {die + 1}..{back - 1} (after the death round {die}): {late}"))
+        settled_end = d.settled[back - 1]
+        out.append(Target(f"dead card {sc.dies!r} settles to 0 within the window", settled_end <= 1e-9,
+                          f"settled {d.settled[die - 1]:.3f} before death -> {settled_end:.3f} at round {back - 1}; "
+                          f"after return: {sum(d.served[back:])} organic served, settled {d.settled[-1]:.3f}"))
+    if sc.big is not None:
+        big, small = sc.big
+        sb, ss = summ.shares[big], summ.shares[small]
+        cb, cs = S[big].settled[-1], S[small].settled[-1]
+        out.append(Target(f"{big!r} gets more traffic than {small!r} without a lower credit",
+                          sb > ss and cb >= cs - CAPACITY_CREDIT_SLACK,
+                          f"share {sb:.3f} vs {ss:.3f}; settled {cb:.3f} vs {cs:.3f} (slack {CAPACITY_CREDIT_SLACK})"))
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}"
+
+
+def miner_rows(sc: Scenario, res: RunResult) -> list[dict[str, Any]]:
+    rows = []
+    total = sum(sum(res.series[x].served) for x in sc.labels)
+    for label in sc.labels:
+        s = res.series[label]
+        credits = [c for c in s.credit if c is not None]
+        over = None
+        if s.ttfts and s.runtime_ttfts:
+            over = sum(s.ttfts) / len(s.ttfts) - sum(s.runtime_ttfts) / len(s.runtime_ttfts)
+        rows.append({
+            "miner": label, "uid": s.uid, "served": sum(s.served), "share": sum(s.served) / total if total else 0.0,
+            "probes": sum(s.probes), "ttft_p50_s": percentile(s.ttfts, 50), "ttft_p95_s": percentile(s.ttfts, 95),
+            "mean_round_credit": sum(credits) / len(credits) if credits else None,
+            "round_credits": s.credit, "settled": s.settled[-1], "weight": s.weight[-1],
+            "overhead_s": over, "max_in_flight_at_dispatch": s.max_in_flight_at_dispatch,
+        })
+    return rows
+
+
+def format_table(sc: Scenario, res: RunResult, summ: Summary) -> str:
+    head = (f"{'miner':<12} {'uid':>3} {'served':>6} {'share':>6} {'expect':>6} {'probes':>6} {'p50ms':>6} "
+            f"{'p95ms':>6} {'credit':>6} {'settled':>7} {'weight':>6} {'ovh_ms':>6}  round credits")
+    lines = [f"== {sc.name} / router={res.router}: {res.rounds} rounds of {sc.round_s:.0f} s (simulated), "
+             f"time scale {res.scale:g}, wall {res.wall_s:.0f} s; client {dict(res.client)}", head]
+    for row in miner_rows(sc, res):
+        rc = " ".join("  -  " if c is None else f"{c:.2f}" for c in row["round_credits"])
+        mc = row["mean_round_credit"]
+        lines.append(
+            f"{row['miner']:<12} {row['uid']:>3} {row['served']:>6} {row['share']:6.3f} "
+            f"{summ.expected_shares[row['miner']]:6.3f} {row['probes']:>6} {_ms(row['ttft_p50_s']):>6} "
+            f"{_ms(row['ttft_p95_s']):>6} {'-' if mc is None else f'{mc:.3f}':>6} {row['settled']:7.3f} "
+            f"{row['weight']:6.3f} {_ms(row['overhead_s']):>6}  {rc}")
+    md = "-" if summ.max_round_credit_diff is None else f"{summ.max_round_credit_diff:.3f}"
+    fd = "-" if summ.final_settled_diff is None else f"{summ.final_settled_diff:.3f}"
+    starved = ", ".join(f"{k}: {v} rounds" for k, v in summ.starved.items()) or "none"
+    lines.append(f"summary: identical cards max round-credit diff {md}, final settled diff {fd}; "
+                 f"dominant-miner switches {summ.oscillations}; starved {starved}"
+                 + (f"; overlapping dispatches {res.overlap_violations}" if res.sequential else "")
+                 + (f"; slots seen {res.slots_seen}" if res.router == "slots" else ""))
+    return "\n".join(lines)
+
+
+def target_lines(sc: Scenario, summaries: dict[str, Summary]) -> list[str]:
+    out = []
+    for router, summ in summaries.items():
+        for t in summ.targets:
+            out.append(f"{'PASS' if t.ok else 'FAIL'} [{sc.name}/{router}] {t.name}: {t.detail}")
+    return out
+
+
+def to_json(sc: Scenario, res: RunResult, summ: Summary) -> dict[str, Any]:
+    return {
+        "scenario": sc.name, "router": res.router, "rounds": res.rounds, "round_s": sc.round_s,
+        "time_scale": res.scale, "wall_s": res.wall_s, "client": dict(res.client),
+        "overlap_violations": res.overlap_violations, "slots_seen": res.slots_seen,
+        "miners": miner_rows(sc, res),
+        "per_round": {k: {"share": s.share, "credit": s.credit, "settled": s.settled, "weight": s.weight,
+                          "served": s.served, "dispatched": s.dispatched, "alive": s.alive}
+                      for k, s in res.series.items()},
+        "summary": {"shares": summ.shares, "expected_shares": summ.expected_shares,
+                    "max_round_credit_diff": summ.max_round_credit_diff,
+                    "final_settled_diff": summ.final_settled_diff, "oscillations": summ.oscillations,
+                    "starved": summ.starved},
+        "targets": [{"name": t.name, "ok": t.ok, "detail": t.detail} for t in summ.targets],
+    }

@@ -1,0 +1,128 @@
+"""The soak scenarios: which cards, what traffic, what happens to whom and when, what must hold.
+
+All durations are simulated seconds (see :mod:`soak_lib.timescale`). ``build_scenarios`` sizes them
+for a settlement window and for ``--smoke`` (a few rounds, for CI).
+
+Example::
+
+    sc = build_scenarios(window=12)["mixed"]
+    [c.label for c in sc.cards]      # ['fast', 'dies', 'slow', 'degrades']
+    sc.events                        # degrade half-way, die and return
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from neurons.sim_runtime import PROFILES, CardProfile
+
+FAST = PROFILES["rtx5090"]
+MEDIUM = CardProfile(name="rtx5090-medium", base_ttft_s=0.65, prefill_tok_s=20000.0, single_tok_s=390.0,
+                     aggregate_tok_s=270.0)
+SLOW = PROFILES["rtx5090-slow"]
+DEGRADED = CardProfile(name="rtx5090-degraded", base_ttft_s=1.0, prefill_tok_s=12000.0, single_tok_s=300.0,
+                       aggregate_tok_s=200.0)
+
+
+@dataclass(frozen=True, slots=True)
+class CardSpec:
+    label: str
+    profile: CardProfile
+    slots: int = 4
+    cards: int = 1  # GPUs behind the one endpoint (the capacity scenario's big miner has 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Applied at the start of round ``round`` (0-based), before any traffic of that round."""
+
+    round: int
+    label: str
+    action: str  # "degrade" | "die" | "revive"
+    profile: CardProfile | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    kind: str  # "sequential": one request every interval_s, never overlapping (probes interleaved)
+    #            "burst": every interval_s, a burst of burst_min..burst_max concurrent requests
+    #            "poisson": exponential inter-arrival with mean interval_s
+    interval_s: float
+    burst_min: int = 1
+    burst_max: int = 1
+    max_tokens: tuple[int, ...] = (64, 96, 128)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    cards: tuple[CardSpec, ...]
+    traffic: Traffic
+    rounds: int
+    round_s: float
+    probes_per_miner: int = 2
+    events: tuple[Event, ...] = ()
+    util_ttft: bool = False  # apply the recent-utilisation TTFT term (see soak_lib.load)
+    identical: tuple[str, ...] = ()  # labels of identical cards (fairness targets)
+    slower_than: tuple[tuple[str, str], ...] = ()  # (slower, faster) pairs of steady cards
+    degrades: str | None = None
+    dies: str | None = None
+    big: tuple[str, str] | None = None  # (big miner, small miner) for the capacity target
+    labels: tuple[str, ...] = field(default=())
+
+    def card(self, label: str) -> CardSpec:
+        return next(c for c in self.cards if c.label == label)
+
+
+def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario]:
+    """Scenario definitions sized for a settlement ``window`` (``smoke``: a few short rounds)."""
+    die_at = 1 if smoke else 3
+    dead_for = window  # rounds die_at .. die_at+window-1 are dead: the settled score must reach 0
+    mixed_rounds = die_at + dead_for + (1 if smoke else 4)
+    degrade_at = mixed_rounds // 2
+    seed = Scenario(
+        name="seed",
+        description="two identical 5090s, one request per 20 s, never overlapping (the field incident)",
+        cards=(CardSpec("card-a", FAST), CardSpec("card-b", FAST)),
+        traffic=Traffic("sequential", interval_s=20.0, max_tokens=(48, 64, 96, 128)),
+        rounds=2 if smoke else 12,
+        round_s=60.0 if smoke else 300.0,
+        util_ttft=True,
+        identical=("card-a", "card-b"),
+    )
+    burst = Scenario(
+        name="burst",
+        description="the same two cards, bursts of 2-16 concurrent requests",
+        cards=(CardSpec("card-a", FAST), CardSpec("card-b", FAST)),
+        traffic=Traffic("burst", interval_s=8.0, burst_min=2, burst_max=16, max_tokens=(32, 64, 96)),
+        rounds=2 if smoke else 12,
+        round_s=20.0 if smoke else 60.0,
+        identical=("card-a", "card-b"),
+    )
+    mixed = Scenario(
+        name="mixed",
+        description="four cards of different speeds; one degrades half-way, one dies and returns",
+        cards=(CardSpec("fast", FAST), CardSpec("dies", MEDIUM), CardSpec("slow", SLOW),
+               CardSpec("degrades", FAST)),
+        traffic=Traffic("poisson", interval_s=3.0, max_tokens=(32, 64, 96, 128)),
+        rounds=mixed_rounds,
+        round_s=20.0 if smoke else 60.0,
+        events=(Event(die_at, "dies", "die"), Event(die_at + dead_for, "dies", "revive"),
+                Event(degrade_at, "degrades", "degrade", DEGRADED)),
+        slower_than=(("slow", "fast"), ("degrades", "fast")),
+        degrades="degrades",
+        dies="dies",
+    )
+    capacity = Scenario(
+        name="capacity",
+        description="one miner with twice the slots (two cards) of the other, burst load",
+        cards=(CardSpec("big-8slot", FAST, slots=8, cards=2), CardSpec("small-4slot", FAST, slots=4)),
+        traffic=Traffic("burst", interval_s=8.0, burst_min=2, burst_max=16, max_tokens=(32, 64, 96)),
+        rounds=2 if smoke else 12,
+        round_s=20.0 if smoke else 60.0,
+        big=("big-8slot", "small-4slot"),
+    )
+    out = {s.name: s for s in (seed, burst, mixed, capacity)}
+    return {k: dataclasses.replace(v, labels=tuple(c.label for c in v.cards)) for k, v in out.items()}
