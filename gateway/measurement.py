@@ -41,6 +41,9 @@ class Measurement:
     ``in_flight`` is the number of this validator's requests already in flight to that miner when
     this one was dispatched (so the request ran at concurrency ``in_flight + 1``).
     ``prompt_tokens`` is the validator's own estimate, never the miner's usage report.
+    ``concurrency`` is the time-weighted mean of this validator's in-flight requests on that miner
+    while this one was decoding (itself included): requests that join or leave mid-stream change the
+    rate an honest card can give, so the dispatch-time count alone would misjudge honest cards.
     """
 
     uid: int
@@ -54,7 +57,13 @@ class Measurement:
     ok: bool
     failure: str | None = None
     probe: bool = False
+    concurrency: float | None = None
     at: float = field(default_factory=time.time)
+
+    @property
+    def decode_concurrency(self) -> float:
+        """Streams sharing the card while this one decoded (dispatch-time count when not measured)."""
+        return self.concurrency if self.concurrency is not None else float(self.in_flight + 1)
 
     @property
     def decode_s(self) -> float:

@@ -223,6 +223,8 @@ class UpstreamStream:
         self.headers: dict[str, str] = {}
         self.tokens = 0
         self.ttft_s: float | None = None
+        self._last_content = self.t0
+        self._conc_area = 0.0  # integral of in-flight on this miner over the decode phase
         self.finish_reason: str | None = None
         self.usage: dict[str, int] | None = None
         self.measurement: Measurement | None = None
@@ -258,6 +260,7 @@ class UpstreamStream:
             ok=failure is None,
             failure=failure,
             probe=self.probe,
+            concurrency=self._decode_concurrency(),
         )
         self.measurement = m
         if self._resp is not None:
@@ -271,6 +274,12 @@ class UpstreamStream:
             logger.debug("uid {} {}{}", self.uid, failure, f" ({detail})" if detail else "")
         self._up._record(m)
         return m
+
+    def _decode_concurrency(self) -> float | None:
+        if self.ttft_s is None:
+            return None
+        decode_s = self._last_content - (self.t0 + self.ttft_s)
+        return self._conc_area / decode_s if decode_s > 0 else None
 
     def _fail(self, failure: str, *, status: int | None = None, detail: str = "") -> UpstreamError:
         self._finish(failure, status=status, detail=detail)
@@ -391,6 +400,9 @@ class UpstreamStream:
             self.tokens += 1
             if self.ttft_s is None:
                 self.ttft_s = now - self.t0
+            else:
+                self._conc_area += self.lease.miner.in_flight * (now - self._last_content)
+            self._last_content = now
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
         if chunk.usage is not None:

@@ -111,7 +111,7 @@ def ttft_credit(ttft_s: float | None, prompt_tokens: int, cfg: CreditConfig) -> 
     return _ramp(residual, zero_at=cfg.zero_band_s, one_at=cfg.full_band_s)
 
 
-def aggregate_rate(concurrency: int, cfg: CreditConfig) -> float:
+def aggregate_rate(concurrency: float, cfg: CreditConfig) -> float:
     """Aggregate tok/s an honest card sustains across ``concurrency`` simultaneous streams."""
     curve = cfg.decode_curve
     n = max(1, concurrency)
@@ -123,13 +123,13 @@ def aggregate_rate(concurrency: int, cfg: CreditConfig) -> float:
     return curve[-1][1]
 
 
-def expected_rate(concurrency: int, cfg: CreditConfig) -> float:
+def expected_rate(concurrency: float, cfg: CreditConfig) -> float:
     """Per-request decode tok/s an honest card gives each of ``concurrency`` streams."""
     n = max(1, concurrency)
     return aggregate_rate(n, cfg) / n
 
 
-def decode_credit(rate: float | None, concurrency: int, cfg: CreditConfig) -> float | None:
+def decode_credit(rate: float | None, concurrency: float, cfg: CreditConfig) -> float | None:
     """0 under ``floor_ratio`` of the expected rate, 1 from ``tolerance_ratio``, linear between.
 
     ``None`` means "not applicable" (too few tokens to measure a rate): the caller uses factor 1.0.
@@ -138,14 +138,15 @@ def decode_credit(rate: float | None, concurrency: int, cfg: CreditConfig) -> fl
         return None
     if _bad(rate) or _bad(concurrency):
         return 0.0
-    ratio = rate / expected_rate(int(concurrency), cfg)
+    ratio = rate / expected_rate(concurrency, cfg)
     return _ramp(ratio, zero_at=cfg.floor_ratio, one_at=cfg.tolerance_ratio)
 
 
 def _measurement_is_sane(m: Measurement) -> bool:
     if m.ttft_s is None or _bad(m.ttft_s) or _bad(m.latency_s) or m.latency_s < m.ttft_s:
         return False
-    return not (_bad(m.prompt_tokens) or _bad(m.completion_tokens) or _bad(m.in_flight))
+    return not (_bad(m.prompt_tokens) or _bad(m.completion_tokens) or _bad(m.in_flight)
+                or _bad(m.decode_concurrency))
 
 
 def request_credit(m: Measurement, cfg: CreditConfig) -> float | None:
@@ -161,5 +162,5 @@ def request_credit(m: Measurement, cfg: CreditConfig) -> float | None:
     t = ttft_credit(m.ttft_s, m.prompt_tokens, cfg)
     if t == 0.0:
         return 0.0
-    d = decode_credit(m.decode_rate(cfg.min_decode_tokens), m.in_flight + 1, cfg)
+    d = decode_credit(m.decode_rate(cfg.min_decode_tokens), m.decode_concurrency, cfg)
     return t if d is None else t * d

@@ -675,3 +675,41 @@ async def test_probe_and_organic_bodies_look_alike(make_miner, make_gateway):
     assert [list(b) for b in m.bodies] == [list(m.bodies[0])] * 2
     assert m.bodies[0] == m.bodies[1]
     assert [x.probe for x in h.measurements()] == [False, True]
+
+
+async def test_decode_concurrency_counts_requests_that_join_mid_stream(make_sim_miner, make_gateway):
+    """A request that a second one joins mid-decode ran at 1 < concurrency < 2, and an honest card
+    earns full decode credit for it; the dispatch-time count (1) would have called it slow."""
+    from scoring.credit import CreditConfig, decode_credit
+
+    sim = await make_sim_miner("rtx5090:time_scale=4,jitter=0,stop_rate=0", slots=2)
+    h = await make_gateway([sim], timeouts=UpstreamTimeouts(first_token=10.0, stall=5.0, total=30.0))
+    lease_a = h.router.acquire_uid(1)
+    assert lease_a is not None
+    joined: asyncio.Task | None = None
+
+    async def second() -> None:
+        lease_b = h.router.acquire_uid(1)
+        assert lease_b is not None
+        try:
+            await h.upstream.probe(lease_b, body(max_tokens=300))
+        finally:
+            h.router.release(lease_b)
+
+    try:
+        stream = await h.upstream.open(lease_a, body(max_tokens=900))
+        async with stream:
+            async for chunk in stream:
+                if chunk.content and joined is None and stream.tokens >= 100:
+                    joined = asyncio.create_task(second())
+        await joined
+    finally:
+        h.router.release(lease_a)
+    a = stream.measurement
+    assert a is not None and a.ok and a.in_flight == 0
+    assert a.concurrency is not None and 1.1 < a.concurrency < 1.95
+    cfg = CreditConfig()
+    rate = a.decode_rate() or 0.0
+    # the sim runs 4x fast: scale the rate back to real seconds before judging it
+    assert decode_credit(rate / 4, a.decode_concurrency, cfg) == pytest.approx(1.0)
+    assert decode_credit(rate / 4, a.in_flight + 1, cfg) < 1.0

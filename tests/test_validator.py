@@ -1,0 +1,164 @@
+"""The validator's own logic: candidate filtering, probe plans, prompts, supervision, weight setting."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from gateway.openai_schema import estimate_prompt_tokens
+from neurons.chain.base import ChainParams, NeuronInfo, WeightsOutcome
+from neurons.config import ValidatorConfig, parse_args
+from neurons.keys import dev_keypair
+from neurons.probes import plan_round
+from neurons.prompts import PromptGenerator
+from neurons.supervise import supervise
+from neurons.validator import Validator, candidates
+
+
+def _n(uid: int, hotkey: str, *, endpoint: str | None = "127.0.0.1:1", permit: bool = False,
+       vtrust: float = 0.0, stake: float = 0.0) -> NeuronInfo:
+    return NeuronInfo(uid=uid, hotkey=hotkey, endpoint=endpoint, validator_permit=permit,
+                      validator_trust=vtrust, stake=stake)
+
+
+def test_candidates_exclude_self_validators_and_endpointless() -> None:
+    neurons = [
+        _n(0, "me", permit=True, stake=5000.0),
+        _n(1, "miner-a"),
+        _n(2, "miner-b", permit=True),  # small subnet: a permit alone does not make a validator
+        _n(3, "other-vali", permit=True, vtrust=0.4),
+        _n(4, "big-stake", permit=True, stake=2000.0),
+        _n(5, "no-endpoint", endpoint=None),
+    ]
+    got = {c.uid for c in candidates(neurons, "me", min_validator_stake=1000.0)}
+    assert got == {1, 2}
+
+
+def test_probe_plan_covers_every_miner_inside_the_round() -> None:
+    rng = random.Random(3)
+    plan = plan_round([1, 2, 3, 4], per_miner=3, round_s=100.0, rng=rng)
+    assert Counter(uid for _, uid in plan) == {1: 3, 2: 3, 3: 3, 4: 3}
+    offsets = [o for o, _ in plan]
+    assert offsets == sorted(offsets)
+    assert all(0.0 <= o <= 90.0 for o in offsets)
+    # Random moments, not a fixed grid a miner could learn: offsets differ between rounds.
+    again = plan_round([1, 2, 3, 4], per_miner=3, round_s=100.0, rng=rng)
+    assert [o for o, _ in again] != offsets
+
+
+def test_prompt_generator_spans_a_sentence_to_thousands_of_tokens() -> None:
+    gen = PromptGenerator(random.Random(11))
+    payloads = [gen.payload("m") for _ in range(600)]
+    sizes = [estimate_prompt_tokens(p["messages"]) for p in payloads]
+    assert min(sizes) < 40
+    assert max(sizes) > 1500
+    assert sum(s > 400 for s in sizes) > 60  # a real tail of long prompts
+    assert len({p["max_tokens"] for p in payloads}) >= 5
+    assert all(p["messages"][-1]["role"] == "user" and p["stream"] is True for p in payloads)
+    # Seeded: the same seed gives the same traffic.
+    assert PromptGenerator(random.Random(11)).payload("m") == payloads[0]
+
+
+async def test_supervised_task_is_restarted_after_a_crash() -> None:
+    calls = 0
+    done = asyncio.Event()
+
+    async def flaky() -> None:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise RuntimeError("boom")
+        done.set()
+        await asyncio.sleep(3600)
+
+    restarts: dict[str, int] = {}
+    task = supervise("flaky", flaky, min_backoff_s=0.01, restarts=restarts)
+    await asyncio.wait_for(done.wait(), timeout=5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert calls == 3
+    assert restarts["flaky"] == 2
+
+
+def test_cli_flags_in_bittensor_conventions(tmp_path: Path) -> None:
+    cfg = parse_args([
+        "--netuid", "7", "--network", "test", "--wallet.name", "vali", "--wallet.hotkey", "hk",
+        "--wallet.path", str(tmp_path), "--gateway.port", "9001", "--state-dir", str(tmp_path / "s"),
+        "--round.seconds", "60", "--settlement.rounds", "6", "--weights.interval", "50", "--weights.dry-run",
+    ])
+    assert (cfg.netuid, cfg.network, cfg.wallet_name, cfg.wallet_hotkey) == (7, "test", "vali", "hk")
+    assert (cfg.gateway_port, cfg.round_s, cfg.settlement_rounds, cfg.weights_interval_blocks) == (9001, 60.0, 6, 50)
+    assert cfg.weights_dry_run and cfg.state_dir == tmp_path / "s"
+    assert cfg.gateway_host == "127.0.0.1"  # loopback by default
+
+
+class FakeChain:
+    """A scripted Chain for the weights loop: refusals first, then success."""
+
+    netuid = 1
+
+    def __init__(self, outcomes: list[WeightsOutcome]) -> None:
+        self.outcomes = outcomes
+        self.calls: list[dict[int, float]] = []
+        self.height = 1000
+
+    async def block(self) -> int:
+        return self.height
+
+    async def metagraph(self) -> list[NeuronInfo]:
+        return [_n(0, dev_keypair("Alice").ss58_address, permit=True, stake=1e4), _n(1, "m1"), _n(2, "m2")]
+
+    async def params(self) -> ChainParams:
+        return ChainParams(tempo=360, weights_rate_limit=10, commit_reveal=False, max_weight_limit=1.0,
+                           min_allowed_weights=1, block_time=12.0)
+
+    async def blocks_since_last_update(self, uid: int) -> int:
+        return 100
+
+    async def set_weights(self, weights: dict[int, float]) -> WeightsOutcome:
+        self.calls.append(weights)
+        return self.outcomes.pop(0)
+
+    async def close(self) -> None:
+        return None
+
+
+def _validator_with_scores(tmp_path: Path, chain: FakeChain, **cfg_kw: object) -> Validator:
+    cfg = ValidatorConfig(state_dir=tmp_path, weights_interval_blocks=100, **cfg_kw)  # type: ignore[arg-type]
+    v = Validator(cfg, chain, dev_keypair("Alice"))
+    v.hotkey_to_uid = {"m1": 1, "m2": 2, v.hotkey: 0}
+    v.my_uid = 0
+    v.scorer.settled = lambda: {"m1": 0.9, "m2": 0.3}  # type: ignore[method-assign]
+    v.rounds.append(object())  # type: ignore[arg-type]  # one round closed
+    return v
+
+
+async def test_weight_failure_is_logged_and_retried_never_fatal(tmp_path: Path) -> None:
+    chain = FakeChain([WeightsOutcome(ok=False, message="RATE_LIMITED"), WeightsOutcome(ok=True, message="ok")])
+    v = _validator_with_scores(tmp_path, chain)
+    await v.maybe_set_weights()
+    assert len(chain.calls) == 1 and v.weights_set == []
+    chain.height += 1  # next opportunity: retried at once, not after a whole interval
+    await v.maybe_set_weights()
+    assert len(chain.calls) == 2 and len(v.weights_set) == 1
+    block, weights = v.weights_set[0]
+    assert block == 1001
+    assert weights[1] == pytest.approx(0.75) and weights[2] == pytest.approx(0.25)
+    chain.height += 50  # inside the weights interval: nothing is sent
+    await v.maybe_set_weights()
+    assert len(chain.calls) == 2
+    assert v.store.last_weights_block() == 1001
+    v.store.close()
+
+
+async def test_dry_run_sets_nothing(tmp_path: Path) -> None:
+    chain = FakeChain([])
+    v = _validator_with_scores(tmp_path, chain, weights_dry_run=True)
+    await v.maybe_set_weights()
+    assert chain.calls == [] and v.weights_set == []
+    v.store.close()
