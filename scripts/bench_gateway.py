@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lib import peers  # noqa: E402
 from bench_lib.clients import LevelResult, chat_body, run_level  # noqa: E402
 from bench_lib.fake_upstream import validator_keypair  # noqa: E402
-from bench_lib.procs import Child, cpu_seconds, peak_rss_bytes, tree  # noqa: E402
+from bench_lib.procs import Child, cpu_seconds, exit_on_signals, peak_rss_bytes, tree  # noqa: E402
 from bench_lib.stats import percentile, table, verdict  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -86,11 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny numbers (seconds): concurrency 1,4, few requests")
     p.add_argument("--paths", default=",".join(ALL_PATHS), help="comma list among " + ",".join(ALL_PATHS))
     p.add_argument("--concurrency", default="1,16,64,256", help="comma list of concurrent streams")
-    p.add_argument("--requests", type=int, default=0, help="timed requests per level (0: max(200, 4*concurrency))")
+    p.add_argument("--requests", type=int, default=0, help="timed requests per level (0: max(100, 8*concurrency))")
     p.add_argument("--warmup", type=int, default=16, help="untimed requests per path and level first")
     p.add_argument("--ports", type=int, default=4, help="fake miner ports")
     p.add_argument("--ttft-ms", type=float, default=50.0, help="fake miner delay before the first token")
-    p.add_argument("--tokens", type=int, default=32, help="tokens per completion")
+    p.add_argument("--tokens", type=int, default=16, help="tokens per completion")
     p.add_argument("--interval-ms", type=float, default=20.0, help="fake miner time between tokens")
     p.add_argument("--install", action="store_true", help="apt-get install nginx / make the LiteLLM venv if missing")
     p.add_argument("--workdir", default=None, help="where peer configs and logs go (default: a temp dir)")
@@ -170,7 +170,7 @@ def measure(a: argparse.Namespace, paths: dict[str, Path_]) -> list[Row]:
     rows: list[Row] = []
     body = chat_body(a.tokens)
     for c in a.levels:
-        n = a.requests or max(200, 4 * c)
+        n = a.requests or max(100, 8 * c)
         for name in ALL_PATHS:
             path = paths.get(name)
             if path is None:
@@ -258,6 +258,7 @@ def _ratio(num: tuple[float, float] | None, den: tuple[float, float] | None, flo
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    exit_on_signals()
     with ExitStack() as stack:
         if a.workdir:
             workdir = Path(a.workdir)

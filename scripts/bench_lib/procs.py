@@ -37,6 +37,18 @@ def _kill_all_live() -> None:
 atexit.register(_kill_all_live)
 
 
+def exit_on_signals() -> None:
+    """Turn SIGTERM/SIGHUP into SystemExit so ``finally`` blocks and atexit kill the children.
+
+    Without it a terminated benchmark would orphan nginx or LiteLLM (they do not watch their parent).
+    """
+    def _raise(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise)
+
+
 def _kill(proc: subprocess.Popen[bytes], grace: float = 3.0) -> None:
     """SIGTERM the child's process group, then SIGKILL it if it lingers."""
     if proc.poll() is None:

@@ -1,0 +1,85 @@
+"""The benchmark scripts' ``--smoke`` modes run in seconds, stop by themselves and print their tables.
+
+They are subprocesses (as a user runs them), each bounded by a timeout; the assertions read the
+printed tables, so a script that breaks, hangs, skips the gateway or loses btauth fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str, timeout: float = 180.0) -> str:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / name), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def table_rows(out: str, first_header: str) -> list[list[str]]:
+    """The rows of the table whose header line starts with ``first_header``."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [first_header])
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.strip() or line.startswith(("==", "PASS", "FAIL", "SKIP", "slope")):
+            break
+        rows.append(line.split())
+    return rows
+
+
+@pytest.mark.parametrize("script", ["bench_gateway.py", "bench_router.py", "bench_memory.py"])
+def test_help_documents_smoke(script: str) -> None:
+    out = run_script(script, "--help", timeout=60)
+    assert "--smoke" in out and "usage:" in out
+
+
+def test_router_smoke_prints_every_pattern() -> None:
+    out = run_script("bench_router.py", "--smoke", "--miners", "64")
+    rows = table_rows(out, "pattern")
+    names = [r[0] for r in rows]
+    assert names == ["serial", "overlap-64", "overlap-256", "overlap-1024", "mixed-slots", "retry-exclude"]
+    for r in rows:
+        mean, p50, p99 = float(r[1]), float(r[2]), float(r[3])
+        assert 0 < p50 <= p99 and mean > 0  # real timings, ordered as percentiles must be
+        assert r[5] == "yes"  # every lease released: the router's in-flight count is back to zero
+    assert re.search(r"^(PASS|FAIL)  acquire\+release mean", out, re.M)
+
+
+def test_memory_smoke_samples_rss() -> None:
+    out = run_script("bench_memory.py", "--smoke")
+    rows = table_rows(out, "requests")
+    assert [int(r[0]) for r in rows] == [200, 400, 600, 800, 1000]
+    rss = [float(r[1]) for r in rows]
+    assert all(10.0 < x < 2048.0 for x in rss)  # a Python process with aiohttp: tens of MB
+    assert all(r[4] == "0" for r in rows)  # no client errors
+    assert re.search(r"^(PASS|FAIL)  RSS flat: slope after warm-up -?\d+\.\d <= \d+ B/request", out, re.M)
+
+
+def test_gateway_smoke_compares_paths() -> None:
+    out = run_script("bench_gateway.py", "--smoke", "--paths", "direct,nginx,gateway")
+    rows = table_rows(out, "path")
+    by = {(r[0], int(r[1])): r for r in rows}
+    for path in ("direct", "gateway"):
+        for c in (1, 4):
+            r = by[(path, c)]
+            assert int(r[2]) == 12 and int(r[3]) == 0  # all 12 timed requests streamed completely
+            ttft50 = float(r[4])
+            assert 10.0 <= ttft50 < 1000.0  # the fake miner's first token comes after 10 ms: nothing is faster
+    for c in (1, 4):
+        g = by[("gateway", c)]
+        assert g[6] != "-" and float(g[10]) > 0 and float(g[11]) > 10  # added TTFT, CPU/request, peak RSS
+    if "[skip] nginx" not in out:
+        assert ("nginx", 1) in by and ("nginx", 4) in by
+    assert "gateway/nginx" in out
+    assert re.search(r"^PASS  btauth: fake miners verified (\d+) signed requests", out, re.M)
+    assert "PASS  client errors: 0" in out
