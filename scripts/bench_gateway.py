@@ -3,7 +3,8 @@
 
 A fake upstream (own process, several loopback ports, one miner hotkey each) streams a fixed
 schedule, so whatever a path adds over "direct" is the proxy's. The same client harness drives every
-path at each concurrency, the paths interleaved per level so background load hits them alike:
+path at each concurrency, the paths interleaved per level so background load hits them alike; the
+proxies not under test are SIGSTOPped meanwhile (an idle LiteLLM keeps burning CPU on 2 cores):
 
 * ``direct``  — straight to the fake miners (round-robin over the ports): the floor;
 * ``nginx``   — Debian's nginx, ``least_conn``, ``proxy_buffering off``, keep-alive upstreams;
@@ -28,6 +29,8 @@ import argparse
 import asyncio
 import json
 import math
+import os
+import signal
 import sys
 import tempfile
 import urllib.request
@@ -169,26 +172,46 @@ def start_paths(a: argparse.Namespace, stack: ExitStack, workdir: Path) -> tuple
 def measure(a: argparse.Namespace, paths: dict[str, Path_]) -> list[Row]:
     rows: list[Row] = []
     body = chat_body(a.tokens)
-    for c in a.levels:
-        n = a.requests or max(100, 8 * c)
-        for name in ALL_PATHS:
-            path = paths.get(name)
-            if path is None:
-                continue
-            pids = tree(path.pid) if path.pid else []
-            if a.warmup:
-                asyncio.run(run_level(path.urls, concurrency=c, requests=a.warmup, body=body,
-                                      headers=path.headers, expect_tokens=a.tokens))
-            cpu0 = cpu_seconds(pids) if pids else None
-            res = asyncio.run(run_level(path.urls, concurrency=c, requests=n, body=body, headers=path.headers,
-                                        expect_tokens=a.tokens))
-            cpu = cpu_seconds(pids) - cpu0 if cpu0 is not None else None
-            rss = peak_rss_bytes(tree(path.pid)) if path.pid else None
-            rows.append(Row(name, c, res, cpu, rss))
-            err = f"  first error: {res.first_error()}" if res.errors else ""
-            print(f"  {name:8s} c={c:<4d} n={len(res.samples):<5d} ok={len(res.ok):<5d} "
-                  f"ttft p50={percentile(res.ttfts_ms(), 50):7.2f} ms  rps={res.rps:7.1f}{err}", flush=True)
+    proxies = [p for p in paths.values() if p.pid]
+    try:
+        for c in a.levels:
+            for name in ALL_PATHS:
+                path = paths.get(name)
+                if path is not None:
+                    # Only the path under test may run: an idle LiteLLM still burns CPU on 2 cores.
+                    for other in proxies:
+                        _signal_tree(other.pid, signal.SIGCONT if other is path else signal.SIGSTOP)
+                    rows.append(_measure_one(a, path, c, body))
+    finally:
+        for other in proxies:
+            _signal_tree(other.pid, signal.SIGCONT)
     return rows
+
+
+def _signal_tree(pid: int | None, sig: int) -> None:
+    for p in tree(pid) if pid else []:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _measure_one(a: argparse.Namespace, path: Path_, c: int, body: bytes) -> Row:
+    n = a.requests or max(100, 8 * c)
+    name = path.name
+    pids = tree(path.pid) if path.pid else []
+    if a.warmup:
+        asyncio.run(run_level(path.urls, concurrency=c, requests=a.warmup, body=body,
+                              headers=path.headers, expect_tokens=a.tokens))
+    cpu0 = cpu_seconds(pids) if pids else None
+    res = asyncio.run(run_level(path.urls, concurrency=c, requests=n, body=body, headers=path.headers,
+                                expect_tokens=a.tokens))
+    cpu = cpu_seconds(pids) - cpu0 if cpu0 is not None else None
+    rss = peak_rss_bytes(tree(path.pid)) if path.pid else None
+    err = f"  first error: {res.first_error()}" if res.errors else ""
+    print(f"  {name:8s} c={c:<4d} n={len(res.samples):<5d} ok={len(res.ok):<5d} "
+          f"ttft p50={percentile(res.ttfts_ms(), 50):7.2f} ms  rps={res.rps:7.1f}{err}", flush=True)
+    return Row(name, c, res, cpu, rss)
 
 
 def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | None, str]], dict]:
