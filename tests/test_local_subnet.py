@@ -1,0 +1,84 @@
+"""End to end: the embedded local subnet with compressed rounds, then a restart on the same state.
+
+Real pieces throughout: the SDK over LocalSubstrate, reference miners with the simulated 5090 on
+loopback (the last a slower card), the validator's gateway, probes, scoring and weights, and organic
+traffic over HTTP. Bounds are generous so the test holds on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from neurons import weights as weights_cmd
+from neurons.config import ValidatorConfig
+from neurons.local_subnet import run_local_subnet, start_local_subnet, stop_local_subnet
+
+ROUNDS = 4
+
+
+def _cfg(state: Path) -> ValidatorConfig:
+    return ValidatorConfig(
+        local=True, state_dir=state, gateway_port=0, local_rounds=ROUNDS, local_round_s=4.0,
+        local_block_time=0.25, local_miners=4, local_traffic_rps=1.0, probes_per_round=1, seed=7,
+    )
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import asyncio
+
+    state = tmp_path_factory.mktemp("local")
+    assert asyncio.run(run_local_subnet(_cfg(state), seed=7)) == 0
+    return state
+
+
+def _chain_weights(state: Path, capsys: pytest.CaptureFixture[str]) -> dict[int, float]:
+    capsys.readouterr()
+    assert weights_cmd.main(["--state-dir", str(state), "--netuid", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    return {row["miner_uid"]: row["weight"] for row in doc["weights"] if row["validator_uid"] == 0}
+
+
+def test_slow_card_ends_lowest_and_equal_cards_close(finished_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    w = _chain_weights(finished_run, capsys)
+    assert set(w) == {1, 2, 3, 4}, w  # every miner was measured and weighted, read back through the SDK
+    assert sum(w.values()) == pytest.approx(1.0, abs=1e-3)
+    equal = [w[1], w[2], w[3]]
+    slow = w[4]
+    assert slow < min(equal), w
+    assert slow < 0.5 * min(equal), w
+    # Three identical cards: each within 25 % of their mean (they are ~1/3 each in practice).
+    mean = sum(equal) / 3
+    assert all(abs(x - mean) <= 0.25 * mean for x in equal), w
+
+
+def test_weights_table_is_printed(finished_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert weights_cmd.main(["--state-dir", str(finished_run), "--netuid", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "miner uid" in out and "weight" in out
+    assert len([ln for ln in out.splitlines() if ln.strip().startswith("0 ")]) == 4
+
+
+async def test_restart_restores_routing_without_settling(finished_run: Path) -> None:
+    subnet = await start_local_subnet(_cfg(finished_run), seed=8)
+    v = subnet.validator
+    try:
+        assert v.scorer.restored
+        rounds_before = len(v.store.load_rounds(100))
+        assert rounds_before == ROUNDS
+        await v.start()
+        # Routable at once with the saved credits: every miner has a measured score, before any round ran.
+        scores = {m.uid: m.score for m in v.router.miners()}
+        assert set(scores) == {1, 2, 3, 4}
+        assert all(s is not None for s in scores.values()), scores
+        assert scores[4] < min(scores[1], scores[2], scores[3])
+        # Nothing was invented for the downtime: no round was added by restarting.
+        assert len(v.store.load_rounds(100)) == rounds_before
+        assert v.rounds == []
+    finally:
+        await v.stop()
+        await stop_local_subnet(subnet)
