@@ -37,6 +37,7 @@ from loguru import logger  # noqa: E402
 from soak_lib.harness import RunOptions, RunResult, run_scenario  # noqa: E402
 from soak_lib.plot import plot_scenario  # noqa: E402
 from soak_lib.report import format_table, summarize, target_lines, to_json  # noqa: E402
+from soak_lib.routers import ROUTERS  # noqa: E402
 from soak_lib.scenarios import Scenario, build_scenarios  # noqa: E402
 
 SCENARIO_NAMES = ("seed", "burst", "mixed", "capacity")
@@ -49,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed: 2 identical cards, 1 request/20 s, never overlapping; burst: bursts of 2-16; "
                         "mixed: 4 cards of different speeds, one degrades, one dies and returns; "
                         "capacity: one miner with twice the slots")
-    p.add_argument("--router", default="both", choices=("project", "deterministic", "slots", "both", "all"),
+    p.add_argument("--router", default="both", choices=(*ROUTERS, "both", "all"),
                    help="project: gateway.router.Router as the validator wires it (slots unknown); "
                         "deterministic: fewest in flight then highest score; slots: the project router with slot "
-                        "counts learned from /health (the capacity-aware proposal); both: project+deterministic; "
-                        "all: the three")
+                        "counts learned from /health (proposal); smooth: least in flight, then smooth weighted "
+                        "round robin, zero scores last (proposal); both: project+deterministic; all: the four")
     p.add_argument("--no-proposal", dest="proposal", action="store_false",
-                   help="do not add the 'slots' router to the capacity scenario")
+                   help="do not add the proposal routers (smooth; slots for capacity) next to the chosen ones")
     p.add_argument("--time-scale", type=float, default=10.0,
                    help="simulated seconds per real second (cards, rounds, traffic, probes; credit sees simulated s)")
     p.add_argument("--window", type=int, default=12, help="settlement window, in rounds")
@@ -75,10 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def routers_for(args: argparse.Namespace, sc: Scenario) -> list[str]:
-    kinds = {"both": ["project", "deterministic"], "all": ["project", "deterministic", "slots"]}.get(
-        args.router, [args.router])
-    if sc.name == "capacity" and args.proposal and "slots" not in kinds:
-        kinds = [*kinds, "slots"]
+    kinds = {"both": ["project", "deterministic"], "all": list(ROUTERS)}.get(args.router, [args.router])
+    proposal = "slots" if sc.name == "capacity" else "smooth"
+    if args.proposal and proposal not in kinds:
+        kinds = [*kinds, proposal]
     return kinds
 
 

@@ -38,7 +38,7 @@ def plot_scenario(sc: Scenario, results: dict[str, RunResult], out_dir: Path) ->
         for ev in sc.events:
             for row in (0, 1):
                 axes[row][col].axvline(ev.round - 0.5, color="grey", ls=":", lw=1)
-                axes[row][col].text(ev.round - 0.4, 1.02, f"{ev.label} {ev.action}", fontsize=7, color="grey")
+                axes[row][col].text(ev.round - 0.4, 1.02, f"{ev.action} ({ev.label})", fontsize=7, color="grey")
         axes[0][col].set_title(f"{sc.name}: router={router}")
         axes[0][col].set_ylabel("organic share")
         axes[1][col].set_ylabel("round credit")

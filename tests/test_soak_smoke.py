@@ -1,0 +1,177 @@
+"""``scripts/soak.py --smoke`` runs every scenario under both routers in seconds and keeps its invariants.
+
+The smoke run is a subprocess bounded by a timeout, as a user runs it. Its figures are not judged
+(a few rounds at time scale 40 say nothing about fairness), but what must hold whatever the timing
+is: the table and the PASS/FAIL lines are printed, sequential traffic never overlaps, the
+deterministic tie-break sends a whole round to one card when nothing is in flight, every organic
+request that got a 200 is counted once as served, weights sum to 1, a dead card settles to 0.
+The pure pieces (time-scale equivalence, the deterministic router) are checked in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.measurement import Measurement
+from gateway.router import Candidate
+from neurons.sim_runtime import PROFILES
+from scoring.credit import CreditConfig, request_credit
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from soak_lib.load import CardRuntime  # noqa: E402
+from soak_lib.routers import DeterministicRouter, SmoothRouter  # noqa: E402
+from soak_lib.timescale import scaled_credit_config, to_simulated  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("soak")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "soak.py"), "--smoke", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"soak.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout, json.loads((out / "soak.json").read_text())
+
+
+def _runs(report: dict, scenario: str) -> dict[str, dict]:
+    return {r["router"]: r for r in report["scenarios"][scenario]}
+
+
+def test_prints_tables_and_target_lines(smoke: tuple[str, dict]) -> None:
+    out, report = smoke
+    for scenario in ("seed", "burst", "mixed", "capacity"):
+        for router in ("project", "deterministic"):
+            assert f"== {scenario} / router={router}:" in out
+            assert re.search(rf"^(PASS|FAIL) \[{scenario}/{router}\] ", out, re.M), (scenario, router)
+    assert "== capacity / router=slots:" in out  # the capacity-aware proposal runs next to them
+    header = next(line for line in out.splitlines() if line.startswith("miner "))
+    for col in ("served", "share", "p50ms", "p95ms", "credit", "settled", "weight"):
+        assert col in header.split()
+    assert re.search(r"^soak done in \d+ s wall; \d+ target\(s\) failed", out, re.M)
+    n_targets = sum(len(r["targets"]) for runs in report["scenarios"].values() for r in runs)
+    assert len(re.findall(r"^(?:PASS|FAIL) \[", out, re.M)) == n_targets > 0
+
+
+def test_seed_never_overlaps_and_deterministic_takes_whole_rounds(smoke: tuple[str, dict]) -> None:
+    runs = _runs(smoke[1], "seed")
+    for router, run in runs.items():
+        assert run["overlap_violations"] == 0, router
+        assert all(m["max_in_flight_at_dispatch"] == 0 for m in run["miners"]), router
+        ok = run["client"].get("200", 0)
+        assert ok > 0 and ok == sum(run["client"].values()), run["client"]
+        assert sum(m["served"] for m in run["miners"]) == ok
+    det = runs["deterministic"]["per_round"]
+    rounds = len(next(iter(det.values()))["share"])
+    for r in range(rounds):
+        shares = sorted(series["share"][r] for series in det.values())
+        assert shares == [0.0, 1.0], (r, shares)  # in-flight 0 at every dispatch: top score takes all
+
+
+def test_weights_sum_to_one_and_shares_are_consistent(smoke: tuple[str, dict]) -> None:
+    for runs in smoke[1]["scenarios"].values():
+        for run in runs:
+            per = run["per_round"]
+            rounds = len(next(iter(per.values()))["weight"])
+            for r in range(rounds):
+                total = sum(s["weight"][r] for s in per.values())
+                assert total == 0.0 or math.isclose(total, 1.0, rel_tol=1e-9), (run["scenario"], r, total)
+                served = sum(s["served"][r] for s in per.values())
+                share = sum(s["share"][r] for s in per.values())
+                assert served == 0 or math.isclose(share, 1.0, rel_tol=1e-9)
+                for s in per.values():
+                    assert s["served"][r] <= s["dispatched"][r]
+
+
+def test_dead_card_serves_nothing_and_settles_to_zero(smoke: tuple[str, dict]) -> None:
+    for run in smoke[1]["scenarios"]["mixed"]:
+        dies = run["per_round"]["dies"]
+        dead = [r for r, a in enumerate(dies["alive"]) if not a]
+        assert dead, "the mixed scenario must kill a card"
+        assert all(dies["served"][r] == 0 for r in dead)
+        assert dies["settled"][dead[-1]] == 0.0
+        target = next(t for t in run["targets"] if "settles to 0" in t["name"])
+        assert target["ok"], target
+
+
+def test_time_scaling_before_credit_equals_scaled_bands() -> None:
+    """Multiplying measured times by S before credit is the same as dividing the bands by S."""
+    rng = random.Random(4)
+    cfg = CreditConfig()
+    for _ in range(400):
+        scale = rng.choice([2.0, 10.0, 20.0, 40.0])
+        ttft = rng.uniform(0.2, 2.0) / scale
+        tokens = rng.randint(1, 300)
+        m = Measurement(uid=1, hotkey="hk", in_flight=rng.randint(0, 7), prompt_tokens=rng.randint(1, 4000),
+                        max_tokens=300, ttft_s=ttft, latency_s=ttft + tokens / rng.uniform(50, 600) / scale,
+                        completion_tokens=tokens, ok=True)
+        a = request_credit(to_simulated(m, scale), cfg)
+        b = request_credit(m, scaled_credit_config(cfg, scale))
+        assert a is not None and b is not None
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9), (m, scale, a, b)
+
+
+def test_deterministic_router_is_fewest_in_flight_then_highest_score() -> None:
+    r = DeterministicRouter(rng=random.Random(0))
+    r.sync([Candidate(1, "a", "127.0.0.1:1"), Candidate(2, "b", "127.0.0.1:2"), Candidate(3, "c", "127.0.0.1:3")])
+    r.set_scores({"a": 0.9, "b": 0.95, "c": 0.5})
+    picks = set()
+    for _ in range(50):
+        lease = r.acquire()
+        assert lease is not None
+        picks.add(lease.miner.uid)
+        r.release(lease)
+    assert picks == {2}  # nothing in flight: the top score, every time
+    first = r.acquire()
+    second = r.acquire()
+    third = r.acquire()
+    assert first is not None and second is not None and third is not None
+    assert [first.miner.uid, second.miner.uid, third.miner.uid] == [2, 1, 3]
+    assert r.acquire(exclude={1, 2}).miner.uid == 3  # type: ignore[union-attr]
+
+
+async def test_utilisation_term_rises_with_busy_time_and_is_capped() -> None:
+    card = CardRuntime(PROFILES["rtx5090"], scale=20.0, rng=random.Random(2), util_ttft_s=12.0, util_cap_s=0.7,
+                       util_tau_s=30.0)
+    idle = CardRuntime(PROFILES["rtx5090"], scale=20.0, rng=random.Random(2), util_ttft_s=0.0)
+    assert card.extra_ttft_s() == 0.0
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
+    for rt in (card, idle):
+        for _ in range(3):
+            frames = b"".join([f async for f in rt.stream(payload)])
+            assert frames.endswith(b"data: [DONE]\n\n")
+    assert 0.0 < card.utilisation() < 1.0
+    assert 0.0 < card.extra_ttft_s() <= 0.7
+    assert idle.extra_ttft_s() == 0.0
+    # the term is added to the first token: later requests on the busy card wait longer than on the idle one
+    assert card.extra_ttfts[0] == 0.0 < card.extra_ttfts[-1]
+    assert sum(card.runtime_ttfts[1:]) > sum(idle.runtime_ttfts[1:])
+
+
+def test_smooth_router_follows_scores_exactly_and_routes_zero_scores_last() -> None:
+    r = SmoothRouter(rng=random.Random(3))
+    r.sync([Candidate(1, "a", "127.0.0.1:1"), Candidate(2, "b", "127.0.0.1:2"), Candidate(3, "z", "127.0.0.1:3")])
+    r.set_scores({"a": 0.6, "b": 0.3, "z": 0.0})
+    counts = {1: 0, 2: 0, 3: 0}
+    for _ in range(90):  # nothing in flight: a pure score-proportional sequence, no binomial noise
+        lease = r.acquire()
+        assert lease is not None
+        counts[lease.miner.uid] += 1
+        r.release(lease)
+    assert counts == {1: 60, 2: 30, 3: 0}
+    a = r.acquire_uid(1)
+    b = r.acquire_uid(2)
+    assert a is not None and b is not None
+    lease = r.acquire()  # z is the only idle miner, but it is routed at 0: a busy positive one goes first
+    assert lease is not None and lease.miner.uid in (1, 2)
+    assert r.acquire(exclude={1, 2}).miner.uid == 3  # type: ignore[union-attr]  # last resort only
