@@ -69,27 +69,109 @@ class Lease:
 
 
 class _Bucket:
-    """Miners sharing one load value, with cumulative score weights cached until membership changes."""
+    """Miners sharing one load value, sampled by score through a Fenwick tree.
 
-    __slots__ = ("members", "_order", "_cum", "_total")
+    Acquire and release move one miner between buckets; a Fenwick tree over stable positions
+    (swap-remove keeps them dense) makes add, remove and a weighted pick O(log n) each, instead of
+    rebuilding a cumulative sum of the whole bucket after every move.
+    """
+
+    __slots__ = ("order", "_pos", "_w", "_tree", "_cap", "_top", "_total", "_updates")
 
     def __init__(self) -> None:
-        self.members: dict[int, MinerState] = {}
-        self._order: list[MinerState] | None = None
-        self._cum: list[float] = []
+        self.order: list[MinerState] = []
+        self._pos: dict[int, int] = {}
+        self._w: list[float] = []
+        self._cap = 0
+        self._top = 0
+        self._tree: list[float] = [0.0]
         self._total = 0.0
+        self._updates = 0
 
-    def invalidate(self) -> None:
-        self._order = None
+    def __len__(self) -> int:
+        return len(self.order)
 
-    def pick(self, rng: random.Random, weight_of) -> MinerState:
-        if self._order is None:
-            self._order = list(self.members.values())
-            self._cum = list(accumulate(weight_of(m) for m in self._order))
-            self._total = self._cum[-1]
-        if self._total <= 0.0:
-            return self._order[rng.randrange(len(self._order))]
-        return self._order[bisect_right(self._cum, rng.random() * self._total)]
+    def holds(self, m: MinerState) -> bool:
+        i = self._pos.get(m.uid)
+        return i is not None and self.order[i] is m
+
+    def _rebuild(self, cap: int) -> None:
+        """Exact O(n) rebuild: on growth, and now and then to shed floating-point drift."""
+        cap = max(8, cap)
+        tree = [0.0] * (cap + 1)
+        tree[1 : len(self._w) + 1] = self._w
+        for i in range(1, cap + 1):  # every node, also past n: the descent reads the top ones
+            j = i + (i & -i)
+            if j <= cap:
+                tree[j] += tree[i]
+        self._tree, self._cap = tree, cap
+        self._top = 1 << (cap.bit_length() - 1)
+        self._total = math.fsum(self._w)
+        self._updates = 0
+
+    def _add_at(self, i: int, delta: float) -> None:
+        tree, cap = self._tree, self._cap
+        i += 1
+        while i <= cap:
+            tree[i] += delta
+            i += i & -i
+
+    def add(self, m: MinerState, weight: float) -> None:
+        i = len(self.order)
+        self.order.append(m)
+        self._pos[m.uid] = i
+        self._w.append(weight)
+        if i + 1 > self._cap or self._updates > 100_000:
+            self._rebuild(self._cap * 2 if i + 1 > self._cap else self._cap)
+            return
+        self._add_at(i, weight)
+        self._total += weight
+        self._updates += 1
+
+    def remove(self, m: MinerState) -> None:
+        i = self._pos.pop(m.uid)
+        last = len(self.order) - 1
+        wi = self._w[i]
+        if i != last:
+            moved, wl = self.order[last], self._w[last]
+            self.order[i], self._w[i] = moved, wl
+            self._pos[moved.uid] = i
+            self._add_at(i, wl - wi)
+            self._add_at(last, -wl)
+        else:
+            self._add_at(i, -wi)
+        self.order.pop()
+        self._w.pop()
+        self._total -= wi
+        self._updates += 2
+
+    def pick(self, rng: random.Random) -> MinerState:
+        n = len(self.order)
+        if self._total > 0.0:
+            r = rng.random() * self._total
+            tree, cap, idx, bit = self._tree, self._cap, 0, self._top
+            while bit:
+                nxt = idx + bit
+                if nxt <= cap and tree[nxt] <= r:
+                    idx = nxt
+                    r -= tree[nxt]
+                bit >>= 1
+            if idx < n and self._w[idx] > 0.0:
+                return self.order[idx]
+        elif self._updates == 0:  # exact (just rebuilt) and no positive weight: uniform
+            return self.order[rng.randrange(n)]
+        # Drift put the draw on a zero-weight slot or hid the weight: rebuild exactly, then decide.
+        self._rebuild(self._cap)
+        return _weighted_choice(self.order, self._w, rng)
+
+
+def _weighted_choice(miners: list[MinerState], weights: list[float], rng: random.Random) -> MinerState:
+    """Exact weighted choice; uniform when no weight is positive."""
+    cum = list(accumulate(weights))
+    total = cum[-1]  # not sum(): on 3.12+ sum() is compensated and can exceed cum[-1] (IndexError)
+    if total <= 0.0:
+        return miners[rng.randrange(len(miners))]
+    return miners[bisect_right(cum, rng.random() * total)]
 
 
 def _clean_score(value: float) -> float:
@@ -143,8 +225,9 @@ class Router:
         if self._fixed_prior is None:
             known = sorted(m.score for m in self._miners.values() if m.score is not None)
             self._prior = known[len(known) // 2] if known else 1.0
-        for b in self._buckets.values():
-            b.invalidate()
+        for m in list(self._miners.values()):  # weights changed: re-bucket everyone (once a round)
+            self._unbucket(m)
+            self._bucket_in(m)
 
     def _weight(self, m: MinerState) -> float:
         return self._prior if m.score is None else m.score
@@ -156,18 +239,11 @@ class Router:
         for load in sorted(self._buckets):
             bucket = self._buckets[load]
             if not exclude:
-                return bucket.pick(self._rng, self._weight)
-            rest = [m for uid, m in bucket.members.items() if uid not in exclude]
+                return bucket.pick(self._rng)
+            rest = [m for m in bucket.order if m.uid not in exclude]
             if rest:
-                return self._weighted(rest)
+                return _weighted_choice(rest, [self._weight(m) for m in rest], self._rng)
         return None
-
-    def _weighted(self, miners: list[MinerState]) -> MinerState:
-        cum = list(accumulate(self._weight(m) for m in miners))
-        total = cum[-1]  # not sum(): on 3.12+ sum() is compensated and can exceed cum[-1] (IndexError)
-        if total <= 0.0:
-            return miners[self._rng.randrange(len(miners))]
-        return miners[bisect_right(cum, self._rng.random() * total)]
 
     def acquire(self, exclude: frozenset[int] | set[int] = frozenset()) -> Lease | None:
         """Pick a miner and count one request in flight on it."""
@@ -221,16 +297,13 @@ class Router:
         b = self._buckets.get(load)
         if b is None:
             b = self._buckets[load] = _Bucket()
-        b.members[m.uid] = m
-        b.invalidate()
+        b.add(m, self._weight(m))
         m._bucket = load
 
     def _unbucket(self, m: MinerState) -> None:
         b = self._buckets.get(m._bucket)
-        if b is None or b.members.get(m.uid) is not m:
+        if b is None or not b.holds(m):
             return
-        del b.members[m.uid]
-        if b.members:
-            b.invalidate()
-        else:
+        b.remove(m)
+        if not len(b):
             del self._buckets[m._bucket]

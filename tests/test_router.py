@@ -244,3 +244,39 @@ def test_in_flight_never_negative_under_random_interleaving(seed: int):
         assert r.total_in_flight() == len(held)
         loads = [m.load for m in r.miners()]
         assert r.pick().load == min(loads)  # type: ignore[union-attr]
+
+
+def test_fenwick_buckets_stay_exact_under_long_churn():
+    """Thousands of interleaved acquires/releases move miners between buckets; afterwards the weighted
+    pick still follows the scores exactly and a zero-score miner beside positive ones is never picked."""
+    rng = random.Random(99)
+    r = Router(rng=random.Random(5))
+    r.sync([Candidate(uid=i, hotkey=f"h{i}", endpoint=f"127.0.0.1:{9000 + i}") for i in range(40)])
+    r.set_scores({f"h{i}": (0.0 if i == 0 else 0.1 + (i % 7) / 7) for i in range(40)})
+    held = []
+    for _ in range(20_000):
+        if held and (rng.random() < 0.5 or len(held) > 60):
+            r.release(held.pop(rng.randrange(len(held))))
+        else:
+            lease = r.acquire()
+            assert lease is not None
+            held.append(lease)
+    for lease in held:
+        r.release(lease)
+    assert r.total_in_flight() == 0
+    picks = Counter(r.pick().uid for _ in range(40_000))
+    assert picks[0] == 0
+    total = sum(0.1 + (i % 7) / 7 for i in range(1, 40))
+    for i in range(1, 40):
+        p = (0.1 + (i % 7) / 7) / total
+        mean, sd = 40_000 * p, math.sqrt(40_000 * p * (1 - p))
+        assert abs(picks[i] - mean) < 5 * sd, (i, picks[i], mean)
+
+
+def test_all_zero_scores_pick_uniformly():
+    r = Router(rng=random.Random(2))
+    r.sync([Candidate(uid=i, hotkey=f"h{i}", endpoint=f"e{i}") for i in range(4)])
+    r.set_scores({f"h{i}": 0.0 for i in range(4)})
+    picks = Counter(r.pick().uid for _ in range(8000))
+    assert set(picks) == {0, 1, 2, 3}
+    assert all(abs(c - 2000) < 5 * math.sqrt(8000 * 0.25 * 0.75) for c in picks.values())
