@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--local", action="store_true",
                     help="run a local chain stand-in, simulated 5090 miners and traffic (no chain, no GPU)")
     lo.add_argument("--local.rounds", dest="local_rounds", type=int, default=None,
-                    help="exit after this many rounds (default: run until Ctrl-C)")
+                    help="exit after this many rounds; unset: run until Ctrl-C")
     lo.add_argument("--local.miners", dest="local_miners", type=int, default=d.local_miners,
                     help="number of simulated miners (the last one has a slower card)")
     lo.add_argument("--local.round-seconds", dest="local_round_s", type=float, default=d.local_round_s,

@@ -162,3 +162,19 @@ async def test_dry_run_sets_nothing(tmp_path: Path) -> None:
     await v.maybe_set_weights()
     assert chain.calls == [] and v.weights_set == []
     v.store.close()
+
+
+def test_operator_mistakes_exit_2_with_one_clear_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from neurons.validator import main
+
+    assert main(["--wallet.name", "nope", "--wallet.path", str(tmp_path / "wallets"),
+                 "--state-dir", str(tmp_path / "s1")]) == 2
+    assert "btcli wallet new-hotkey" in capfd.readouterr().err
+
+    state = tmp_path / "s2"
+    state.mkdir()
+    (state / "validator.sqlite").write_bytes(b"definitely not sqlite" * 300)
+    assert main(["--local", "--state-dir", str(state), "--gateway.port", "0", "--local.rounds", "1"]) == 2
+    err = capfd.readouterr().err
+    assert "validator.sqlite" in err and "not reset" in err
+    assert (state / "validator.sqlite").read_bytes().startswith(b"definitely not sqlite")  # left as it was
