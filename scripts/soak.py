@@ -18,7 +18,7 @@ Examples::
 
     python scripts/soak.py --smoke                              # seconds, for CI
     python scripts/soak.py --scenario seed --router both        # one simulated hour, ~6 min
-    python scripts/soak.py --scenario all --out soak-out        # everything (~12 min at scale 10)
+    python scripts/soak.py --scenario all --out soak-out        # everything (~11 min at scale 10)
 """
 
 from __future__ import annotations
