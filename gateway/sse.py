@@ -5,6 +5,12 @@ A miner controls every byte of its stream, so parsing is incremental and bounded
 overflows to inf) and a chunk of the wrong shape are all :class:`SSEGarbage` — the miner's failure,
 never a crash or an unbounded buffer in the gateway.
 
+The hot path is one chunk per token per stream, so both directions have a per-stream fast path:
+:class:`ChunkDecoder` learns the miner's content-only chunk as a proven template (everything but the
+content string fixed) and then validates each such chunk with a prefix/suffix compare; :class:`ChunkFramer`
+writes the client's content chunks from cached bytes around one JSON-escaped string. Both produce exactly
+what the slow path (:func:`parse_chunk`, :func:`frame`) would.
+
 Example::
 
     p = SSEParser()
@@ -12,13 +18,19 @@ Example::
     chunk = parse_chunk(events[0])      # ChunkInfo(role=None, content='', finish_reason=None, usage=None)
     events[1] == DONE                   # True
     frame(chunk_json) / DONE_FRAME      # bytes to write to a client
+
+    dec = ChunkDecoder()                # one per upstream stream: dec.decode(data) == parse_chunk(data)
+    out = ChunkFramer("chatcmpl-1", 1700000000, "tensorgate/sim-5090")
+    out.content("hi")                   # == frame({"id": "chatcmpl-1", ..., "choices": [{... "content": "hi"} ...]})
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 DONE = "[DONE]"
@@ -38,7 +50,8 @@ class SSEParser:
     """Incremental SSE parser: feed bytes, get the ``data`` payload (str) of each complete event.
 
     Comments (``:``), ``event:``/``id:``/``retry:`` fields are ignored; multi-line data is joined with
-    ``\\n`` as the SSE spec says. Lines end with ``\\n`` or ``\\r\\n``.
+    ``\\n`` as the SSE spec says. Lines end with ``\\n`` or ``\\r\\n``. Only an incomplete last line is
+    buffered (appended in place, so a miner trickling bytes costs linear time, not quadratic).
     """
 
     def __init__(self, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, max_event_bytes: int | None = None) -> None:
@@ -49,40 +62,56 @@ class SSEParser:
         self._event_bytes = 0
 
     def feed(self, data: bytes) -> list[str]:
-        self._buf += data
+        if self._buf:
+            self._buf += data
+            buf: bytes | bytearray = self._buf
+        else:
+            buf = data  # the usual case: scan the read itself, copy nothing
         events: list[str] = []
+        max_line = self._max_line
+        pos = 0
+        find = buf.find
         while True:
-            nl = self._buf.find(b"\n")
+            nl = find(b"\n", pos)
             if nl < 0:
-                if len(self._buf) > self._max_line:
-                    raise SSEGarbage(f"line longer than {self._max_line} bytes")
-                return events
-            if nl > self._max_line:
-                raise SSEGarbage(f"line longer than {self._max_line} bytes")
-            raw = bytes(self._buf[:nl])
-            del self._buf[: nl + 1]
-            if raw.endswith(b"\r"):
-                raw = raw[:-1]
+                break
+            if nl - pos > max_line:
+                raise SSEGarbage(f"line longer than {max_line} bytes")
+            end = nl - 1 if nl > pos and buf[nl - 1] == 13 else nl  # strip "\r"
+            start, pos = pos, nl + 1
+            if end == start:  # blank line: dispatch the event
+                if self._data:
+                    events.append(self._data[0] if len(self._data) == 1 else "\n".join(self._data))
+                    self._data = []
+                    self._event_bytes = 0
+                continue
+            raw = buf[start:end]
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
                 raise SSEGarbage("invalid UTF-8 in stream") from None
-            if not line:
-                if self._data:
-                    events.append("\n".join(self._data))
-                    self._data = []
-                    self._event_bytes = 0
+            if line[0] == ":":
                 continue
-            if line.startswith(":"):
-                continue
-            name, sep, value = line.partition(":")
-            if sep and value.startswith(" "):
-                value = value[1:]
-            if name == "data":
-                self._event_bytes += len(raw)
-                if self._event_bytes > self._max_event:
-                    raise SSEGarbage(f"event longer than {self._max_event} bytes")
-                self._data.append(value)
+            if line.startswith("data: "):
+                value = line[6:]
+            else:
+                name, sep, value = line.partition(":")
+                if name != "data":
+                    continue
+                if sep and value.startswith(" "):
+                    value = value[1:]
+            self._event_bytes += end - start
+            if self._event_bytes > self._max_event:
+                raise SSEGarbage(f"event longer than {self._max_event} bytes")
+            self._data.append(value)
+        rest = len(buf) - pos
+        if rest > max_line:
+            raise SSEGarbage(f"line longer than {max_line} bytes")
+        if buf is self._buf:
+            del self._buf[:pos]
+        elif rest:
+            self._buf = bytearray(buf[pos:])
+        return events
 
     def pending(self) -> bool:
         """True when bytes or data lines are buffered that no complete event has flushed yet."""
@@ -110,10 +139,14 @@ def _finite_float(text: str) -> float:
     return value
 
 
+# One decoder for every call: json.loads(**kw) would build a decoder and its scanner per chunk.
+_STRICT = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def loads_strict(text: str) -> Any:
     """``json.loads`` that rejects NaN, Infinity and overflowing numbers."""
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        return _STRICT.decode(text)
     except SSEGarbage:
         raise
     except (ValueError, RecursionError) as e:
@@ -179,6 +212,106 @@ def parse_chunk(data: str, max_content_chars: int = 4096) -> ChunkInfo:
     return ChunkInfo(role=role, content=content, finish_reason=finish, usage=usage)
 
 
+# Characters that end or escape a JSON string (or are not allowed in one): a string body free of
+# them is one complete JSON string token whose value is the body itself.
+_NOT_PLAIN = re.compile(r'["\\\x00-\x1f]')
+_SENTINEL = "tg\u2603probe"
+
+
+class ChunkDecoder:
+    """:func:`parse_chunk` for one stream, with a fast path for the miner's content-only chunks.
+
+    Servers write every content chunk of a stream alike (``{"id": same, ..., "delta": {"content": "<tok>"},
+    ...}``), so after one such chunk was fully parsed the decoder keeps the text before and after its
+    content string as a template. A later chunk that is exactly ``prefix + body + suffix`` with a body
+    free of quotes, backslashes and control characters *is* that chunk with another content string:
+
+    * the template has no backslash outside the content, so its lexer state is fixed by counting quotes:
+      an even count before the content means the content's opening quote starts a string token;
+    * a plain body closes that token at the suffix's first quote, so the rest lexes byte for byte alike;
+    * a probe parse (the template around a sentinel) proved this token is the ``delta.content`` that
+      wins (not a key, not a duplicate, not another field), and the template passed every other check.
+
+    Anything else (role, finish, usage, escapes, new fields, another id) takes the full parse.
+    """
+
+    __slots__ = ("_max", "_prefix", "_suffix", "_plen", "_slen", "_learns")
+
+    def __init__(self, max_content_chars: int = 4096, max_learns: int = 4) -> None:
+        self._max = max_content_chars
+        self._prefix = ""
+        self._suffix = ""
+        self._plen = -1  # no template yet
+        self._slen = 0
+        self._learns = max_learns
+
+    @property
+    def has_template(self) -> bool:
+        return self._plen >= 0
+
+    def decode(self, data: str) -> ChunkInfo:
+        plen = self._plen
+        if plen >= 0 and data.startswith(self._prefix) and data.endswith(self._suffix):
+            end = len(data) - self._slen
+            if end - plen <= self._max and end >= plen:
+                body = data[plen:end]
+                if _NOT_PLAIN.search(body) is None:
+                    return ChunkInfo(None, body, None, None)
+        chunk = parse_chunk(data, self._max)
+        if (self._learns > 0 and chunk.content and chunk.role is None and chunk.finish_reason is None
+                and chunk.usage is None):
+            self._learn(data, chunk.content)
+        return chunk
+
+    def _learn(self, data: str, content: str) -> None:
+        self._learns -= 1
+        if _NOT_PLAIN.search(content) is not None or _SENTINEL in data:
+            return  # escaped content: its raw text is not the value; try a later chunk
+        lit = f'"{content}"'
+        i = data.find(lit)
+        while i >= 0:
+            prefix, suffix = data[: i + 1], data[i + 1 + len(content):]
+            if "\\" not in prefix and "\\" not in suffix and prefix.count('"') % 2 == 1:
+                try:
+                    probe = parse_chunk(prefix + _SENTINEL + suffix, len(_SENTINEL))
+                except SSEGarbage:
+                    probe = None
+                if probe == ChunkInfo(None, _SENTINEL, None, None):
+                    self._prefix, self._suffix = prefix, suffix
+                    self._plen, self._slen = len(prefix), len(suffix)
+                    return
+            i = data.find(lit, i + 1)
+
+
 def frame(obj: Any) -> bytes:
     """One SSE ``data:`` frame holding ``obj`` as compact JSON."""
     return b"data: " + json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+
+
+class ChunkFramer:
+    """The client-bound ``chat.completion.chunk`` frames of one response, constant parts encoded once.
+
+    ``content(text)`` is byte-for-byte ``frame(chunk(delta={"content": text}))``; everything else
+    (the first chunk, role, finish) goes through :meth:`chunk` and :func:`frame`.
+    """
+
+    __slots__ = ("id", "created", "model", "_head", "_tail")
+
+    def __init__(self, cid: str, created: int, model: str) -> None:
+        self.id = cid
+        self.created = created
+        self.model = model
+        probe = frame(self.chunk({"content": _SENTINEL}, None))
+        lit = encode_basestring_ascii(_SENTINEL).encode()
+        i = probe.rindex(lit)  # the delta is the last string-valued field
+        self._head, self._tail = probe[:i], probe[i + len(lit):]
+
+    def chunk(self, delta: dict[str, Any], finish: str | None, **extra: Any) -> dict[str, Any]:
+        obj: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                               "model": self.model,
+                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        obj.update(extra)
+        return obj
+
+    def content(self, text: str) -> bytes:
+        return self._head + encode_basestring_ascii(text).encode() + self._tail

@@ -21,6 +21,9 @@ Example::
         router.release(lease)
 
     m = await up.probe(lease, payload)          # the same code path, consumed to the end
+
+A relay that writes once per network read uses ``await stream.next_batch()`` (every chunk decoded
+from one read; ``[]`` at the end) and ``stream.ready`` (True when the next call will not wait).
 """
 
 from __future__ import annotations
@@ -51,9 +54,14 @@ from .measurement import (
 from .openai_schema import estimate_prompt_tokens
 from .router import Lease
 from .signing import RequestSigner
-from .sse import DONE, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser, parse_chunk
+from .sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
 
 PATH = "/v1/chat/completions"
+_BODY_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once, not per request
+
+
+class _DeadlinePassed(Exception):
+    """Set on the response's reader by the stream's deadline timer to end a pending read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +154,14 @@ class Upstream:
         self.limits = limits or UpstreamLimits()
         self.stats: dict[int, MinerStats] = {}
         self.dispatched = 0
+        self._client_timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    def _client_timeout(self, connect: float) -> aiohttp.ClientTimeout:
+        ct = self._client_timeouts.get(connect)
+        if ct is None:
+            ct = self._client_timeouts[connect] = aiohttp.ClientTimeout(total=None, connect=connect,
+                                                                        sock_connect=connect)
+        return ct
 
     async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,
                    timeouts: UpstreamTimeouts | None = None) -> UpstreamStream:
@@ -213,9 +229,11 @@ class UpstreamStream:
         body = _canonical_body(payload, self.max_tokens)
         messages = body.get("messages")
         self.prompt_tokens = estimate_prompt_tokens(messages) if isinstance(messages, list) else 0
-        self._body = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        self._body = _BODY_ENCODER.encode(body).encode()
         self._parser = SSEParser(max_line_bytes=limits.max_line_bytes)
-        self._max_content = limits.max_content_chars
+        self._decoder = ChunkDecoder(limits.max_content_chars)
+        self._timer: asyncio.TimerHandle | None = None  # the one deadline timer, moved lazily
+        self._reading = False  # a read is pending: the only time the timer has to interrupt anything
         self._resp: aiohttp.ClientResponse | None = None
         self._pending: deque[ChunkInfo] = deque()
         self._error: UpstreamError | None = None
@@ -263,6 +281,9 @@ class UpstreamStream:
             concurrency=self._decode_concurrency(),
         )
         self.measurement = m
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._resp is not None:
             if failure is None:
                 self._resp.release()
@@ -301,7 +322,7 @@ class UpstreamStream:
                         f"http://{miner.endpoint}{PATH}",
                         data=self._body,
                         headers=headers,
-                        timeout=aiohttp.ClientTimeout(total=None, connect=tmo.connect, sock_connect=tmo.connect),
+                        timeout=self._up._client_timeout(tmo.connect),
                     )
             except aiohttp.ClientConnectionError as e:
                 # connect refused/timed out, reset or closed before any answer
@@ -318,6 +339,7 @@ class UpstreamStream:
                 raise self._fail(FAIL_HTTP, status=resp.status, detail=f"HTTP {resp.status}")
             if resp.content_type != "text/event-stream":
                 raise self._fail(FAIL_GARBAGE, status=200, detail=f"content type {resp.content_type!r}")
+            self._timer = self._loop.call_at(self._next_deadline(), self._on_deadline)
         except UpstreamError:
             raise
         except BaseException:
@@ -340,6 +362,26 @@ class UpstreamStream:
                 raise StopAsyncIteration
             await self._fill()
 
+    async def next_batch(self) -> list[ChunkInfo]:
+        """Every chunk available now, waiting for one network read if none is; ``[]`` once the stream ended.
+
+        The same chunks, order and errors as iteration, grouped so a relay writes once per read.
+        """
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            if self.finished:
+                return []
+            await self._fill()
+        batch = list(self._pending)
+        self._pending.clear()
+        return batch
+
+    @property
+    def ready(self) -> bool:
+        """True when the next ``next_batch``/``__anext__`` returns or raises without waiting on the miner."""
+        return bool(self._pending) or self.measurement is not None
+
     def _next_deadline(self) -> float:
         t = self._tmo
         if self.content_started:
@@ -348,21 +390,41 @@ class UpstreamStream:
             deadline = self.t0 + t.first_token
         return min(deadline, self.t0 + t.total)
 
+    def _on_deadline(self) -> None:
+        """The deadline timer: re-armed when events moved the deadline, else it ends a pending read.
+
+        One timer per stream instead of an ``asyncio.timeout`` per read: events only move the
+        deadline (a float), and the timer catches up when it fires, once per stall period at most.
+        """
+        self._timer = None
+        if self.measurement is not None:
+            return
+        deadline = self._next_deadline()
+        if self._loop.time() < deadline:
+            self._timer = self._loop.call_at(deadline, self._on_deadline)
+        elif self._reading and self._resp is not None:
+            self._resp.content.set_exception(_DeadlinePassed())
+        # not reading: the consumer is busy elsewhere; its next _fill sees the deadline has passed
+
+    def _timed_out(self) -> None:
+        self._fail(FAIL_TIMEOUT, detail="stalled" if self.content_started else "no first token")
+
     async def _fill(self) -> None:
         assert self._resp is not None
-        remaining = self._next_deadline() - self._loop.time()
-        if remaining <= 0:
-            self._fail(FAIL_TIMEOUT, detail="stalled" if self.content_started else "no first token")
+        if self._loop.time() >= self._next_deadline():
+            self._timed_out()
             return
+        self._reading = True
         try:
-            async with asyncio.timeout(remaining):
-                data = await self._resp.content.readany()
-        except TimeoutError:
-            self._fail(FAIL_TIMEOUT, detail="stalled" if self.content_started else "no first token")
+            data = await self._resp.content.readany()
+        except _DeadlinePassed:
+            self._timed_out()
             return
         except (aiohttp.ClientError, ConnectionError) as e:
             self._fail(FAIL_DROPPED, detail=type(e).__name__)
             return
+        finally:
+            self._reading = False
         if not data:
             self._on_eof()
             return
@@ -377,14 +439,14 @@ class UpstreamStream:
 
     def _on_event(self, data: str) -> bool:
         """Handle one event; False when the stream ended (done or failed)."""
-        if data.strip() == DONE:
+        if data == DONE or (data[:1] != "{" and data.strip() == DONE):
             if self.tokens == 0:
                 self._fail(FAIL_EMPTY, detail="[DONE] without content")
             else:
                 self._finish(None)
             return False
         try:
-            chunk = parse_chunk(data, self._max_content)
+            chunk = self._decoder.decode(data)
         except SSEErrorEvent as e:
             self._fail(FAIL_DROPPED, detail=str(e))
             return False
