@@ -8,6 +8,10 @@ failure ends the stream with an error event and ``[DONE]`` — never a hang, nev
 tokens spliced in. Handler cancellation is on, so a client that disconnects cancels the upstream
 request at once and frees the miner's slot.
 
+The relay writes once per miner read, not once per chunk: frames decoded from one read (and the
+headers with the first of them, the usage chunk and ``[DONE]`` with the last) leave in one ``write``,
+each content frame built from cached bytes (:class:`gateway.sse.ChunkFramer`).
+
 Example::
 
     cfg = GatewayConfig.from_sources(port=0, models=["tensorgate/sim-5090"], keys=["sk-local"])
@@ -44,10 +48,20 @@ from .errors import (
 from .measurement import FAIL_BUSY, FAIL_TIMEOUT
 from .openai_schema import ChatRequest, SchemaLimits, parse_chat_request
 from .router import Router
-from .sse import DONE_FRAME, ChunkInfo, frame
+from .sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
 
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
+
+
+class _EventStream(web.StreamResponse):
+    """A streamed response whose headers leave with its first body write (one packet, not two).
+
+    aiohttp buffers the headers of a ``web.Response`` this way; for a ``StreamResponse`` it is opt-in
+    through this class attribute. Without it (another aiohttp) the headers are just sent on prepare.
+    """
+
+    _send_headers_immediately = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,56 +259,35 @@ class Gateway:
 
     async def _relay(self, request: web.Request, req: ChatRequest, stream: UpstreamStream,
                      head: list[ChunkInfo]) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers={
+        resp = _EventStream(status=200, headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
             self.config.served_by_header: str(stream.uid),
         })
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        first = True
-
-        def chunk_obj(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-            nonlocal first
-            obj: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
-                                   "model": req.model,
-                                   "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-            if first:
-                delta.setdefault("role", "assistant")
-                obj["tensorgate"] = self._served_by(stream)
-                first = False
-            return obj
-
-        async def emit(ch: ChunkInfo) -> None:
-            delta: dict[str, Any] = {}
-            if ch.role:
-                delta["role"] = ch.role
-            if ch.content or ch.role:
-                delta["content"] = ch.content
-            if not delta and ch.finish_reason is None:
-                return  # usage or empty keep-alive chunk: the gateway sends its own usage
-            await resp.write(frame(chunk_obj(delta, ch.finish_reason)))
-
+        out = ChunkFramer(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model)
+        parts: list[bytes] = []
+        self._frames(out, head, parts, first=True, stream=stream)
         try:
             await resp.prepare(request)
-            for ch in head:
-                await emit(ch)
             try:
-                async for ch in stream:
-                    await emit(ch)
+                while True:
+                    if parts and not stream.ready:  # about to wait on the miner: send what we have
+                        await resp.write(b"".join(parts))
+                        parts.clear()
+                    batch = await stream.next_batch()
+                    if not batch:
+                        break
+                    self._frames(out, batch, parts)
             except UpstreamError as e:
                 self.outcomes["stream_error"] += 1
-                err = _mid_stream_error(e)
-                await resp.write(frame(err.body()))
-                await resp.write(DONE_FRAME)
-                await resp.write_eof()
+                parts += (frame(_mid_stream_error(e).body()), DONE_FRAME)
+                await resp.write_eof(b"".join(parts))
                 return resp
             if req.include_usage:
-                await resp.write(frame({"id": cid, "object": "chat.completion.chunk", "created": created,
-                                        "model": req.model, "choices": [], "usage": self._usage(req, stream)}))
-            await resp.write(DONE_FRAME)
-            await resp.write_eof()
+                parts.append(out.usage(self._usage(req, stream)))
+            parts.append(DONE_FRAME)
+            await resp.write_eof(b"".join(parts))
             self.outcomes["200"] += 1
         except ConnectionError:
             # the client went away; closing the stream cancels the miner request (client_disconnect)
@@ -302,11 +295,34 @@ class Gateway:
             stream.close()
         return resp
 
+    def _frames(self, out: ChunkFramer, chunks: list[ChunkInfo], parts: list[bytes], *, first: bool = False,
+                stream: UpstreamStream | None = None) -> None:
+        """Append the client frames for ``chunks``; the first frame of a response names role and miner."""
+        for ch in chunks:
+            if not first and ch.role is None and ch.finish_reason is None:
+                if ch.content:
+                    parts.append(out.content(ch.content))  # the hot path: one token
+                continue  # usage or empty keep-alive chunk: the gateway sends its own usage
+            delta: dict[str, Any] = {}
+            if ch.role:
+                delta["role"] = ch.role
+            if ch.content or ch.role:
+                delta["content"] = ch.content
+            if not delta and ch.finish_reason is None:
+                continue
+            if first:
+                assert stream is not None
+                delta.setdefault("role", "assistant")
+                parts.append(frame(out.chunk(delta, ch.finish_reason, tensorgate=self._served_by(stream))))
+                first = False
+            else:
+                parts.append(frame(out.chunk(delta, ch.finish_reason)))
+
     async def _assemble(self, req: ChatRequest, stream: UpstreamStream, head: list[ChunkInfo]) -> web.Response:
         parts = [ch.content for ch in head]
         try:
-            async for ch in stream:
-                parts.append(ch.content)
+            while batch := await stream.next_batch():
+                parts += [ch.content for ch in batch]
         except UpstreamError as e:
             raise _mid_stream_error(e) from None
         body = {
@@ -324,11 +340,11 @@ class Gateway:
 
 
 async def _until_content(stream: UpstreamStream) -> list[ChunkInfo]:
-    """Chunks up to and including the first carrying content or a finish; nothing is sent before it."""
+    """Chunks up to the read that brought the first content or finish; nothing is sent before it."""
     head: list[ChunkInfo] = []
-    async for ch in stream:
-        head.append(ch)
-        if ch.content or ch.finish_reason is not None:
+    while batch := await stream.next_batch():
+        head += batch
+        if any(ch.content or ch.finish_reason is not None for ch in batch):
             break
     return head
 

@@ -315,3 +315,8 @@ class ChunkFramer:
 
     def content(self, text: str) -> bytes:
         return self._head + encode_basestring_ascii(text).encode() + self._tail
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        """The closing usage chunk (``choices`` empty), as OpenAI sends it with ``include_usage``."""
+        return frame({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                      "choices": [], "usage": usage})
