@@ -25,7 +25,7 @@ from gateway.measurement import (
     FAIL_TIMEOUT,
 )
 from gateway.signing import RequestSigner
-from gateway.sse import SSEGarbage, SSEParser, parse_chunk
+from gateway.sse import ChunkDecoder, ChunkFramer, SSEGarbage, SSEParser, frame, parse_chunk
 from gateway.upstream import UpstreamTimeouts
 from tests.conftest import API_KEY
 from tests.fakes import MODEL, Script, body, contents, eventually, read_sse
@@ -713,3 +713,214 @@ async def test_decode_concurrency_counts_requests_that_join_mid_stream(make_sim_
     # the sim runs 4x fast: scale the rate back to real seconds before judging it
     assert decode_credit(rate / 4, a.decode_concurrency, cfg) == pytest.approx(1.0)
     assert decode_credit(rate / 4, a.in_flight + 1, cfg) < 1.0
+
+
+# -- hot path: fast paths must agree with the slow ones ------------------------------------------
+
+_ALPHABET = ['a', 'Z', ' ', '0', '\u00e9', '\u2603', '\U0001f600', '"', '\\', '\n', '\x01', '\x7f', '/', ',', '}']
+
+
+def _random_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(_ALPHABET) for _ in range(n))
+
+
+def _server_chunk(style: int, cid: str, content: str | None, finish: str | None = None, role: str | None = None) -> str:
+    """A chunk as one of several servers would write it (key order, spacing, extras, escaping)."""
+    delta: dict = {}
+    if role:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    if style == 0:  # vLLM-like, compact
+        obj = {"id": cid, "object": "chat.completion.chunk", "created": 1, "model": "m",
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    if style == 1:  # spaced, ASCII-escaped, delta last
+        obj = {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}], "id": cid, "model": "m"}
+        return json.dumps(obj)
+    # llama-server-like: extra fields after the choices, usage null
+    obj = {"choices": [{"index": 0, "finish_reason": finish, "delta": delta}], "created": 2, "id": cid,
+           "model": "m", "system_fingerprint": "b1", "object": "chat.completion.chunk", "usage": None,
+           "timings": {"predicted_ms": 1.5}}
+    return json.dumps(obj, separators=(", ", ": "), ensure_ascii=False)
+
+
+def _same_as_parse_chunk(dec: ChunkDecoder, data: str, max_content: int) -> None:
+    try:
+        want = parse_chunk(data, max_content)
+    except SSEGarbage as e:
+        with pytest.raises(type(e)):
+            dec.decode(data)
+        return
+    assert dec.decode(data) == want
+
+
+@pytest.mark.parametrize("style", [0, 1, 2])
+def test_chunk_decoder_agrees_with_parse_chunk_on_seeded_streams(style):
+    rng = random.Random(1000 + style)
+    fast_hits = 0
+    for _ in range(60):
+        dec = ChunkDecoder(max_content_chars=40)
+        cid = f"chatcmpl-{rng.randrange(10**6)}"
+        stream = [_server_chunk(style, cid, "", role="assistant")]
+        for _ in range(rng.randrange(1, 30)):
+            r = rng.random()
+            if r < 0.6:
+                text = "".join(rng.choice("abc xyz.") for _ in range(rng.randrange(1, 8)))  # plain tokens
+            elif r < 0.9:
+                text = _random_text(rng, rng.randrange(0, 8))  # quotes, escapes, control chars, unicode
+            else:
+                text = "w" * rng.randrange(38, 44)  # around max_content_chars
+            stream.append(_server_chunk(style, cid, text))
+        stream.append(_server_chunk(style, cid, None, finish="stop"))
+        for data in stream:
+            had = dec.has_template
+            _same_as_parse_chunk(dec, data, 40)
+            fast_hits += had
+    assert fast_hits > 500  # the template was learnt and used, not only the slow path
+
+
+@pytest.mark.parametrize("first,later", [
+    # the content also occurs as another value: the template must sit on delta.content
+    ('{"id":"x","choices":[{"delta":{"content":"x"}}]}', ['{"id":"y","choices":[{"delta":{"content":"x"}}]}',
+                                                          '{"id":"x","choices":[{"delta":{"content":"q"}}]}']),
+    # a duplicate key: the last one wins, in the template as in json.loads
+    ('{"choices":[{"delta":{"content":"a","content":"b"}}]}', ['{"choices":[{"delta":{"content":"a","content":"z"}}]}',
+                                                               '{"choices":[{"delta":{"content":"z","content":"b"}}]}']),
+    # a body smuggling structure, NaN or an escape through the template's slot
+    ('{"choices":[{"delta":{"content":"t"},"finish_reason":null}]}',
+     ['{"choices":[{"delta":{"content":"t"},"finish_reason":"stop"},{"delta":{"content":""},"finish_reason":null}]}',
+      '{"choices":[{"delta":{"content":"","x":NaN,"y":""},"finish_reason":null}]}',
+      '{"choices":[{"delta":{"content":"\\"},"finish_reason":null}]}',
+      '{"choices":[{"delta":{"content":"\\u0041"},"finish_reason":null}]}',
+      '{"choices":[{"delta":{"content":"tab\there"},"finish_reason":null}]}',
+      '{"choices":[{"delta":{"content":"' + "y" * 41 + '"},"finish_reason":null}]}']),
+    # content as a key's text, and backslashes elsewhere: never a template
+    ('{"t":{"t":1},"choices":[{"delta":{"content":"t"}}]}', ['{"t":{"u":1},"choices":[{"delta":{"content":"u"}}]}']),
+    ('{"id":"a\\\\b","choices":[{"delta":{"content":"c"}}]}',
+     ['{"id":"a\\\\b","choices":[{"delta":{"content":"d"}}]}']),
+])
+def test_chunk_decoder_cannot_be_fooled(first, later):
+    dec = ChunkDecoder(max_content_chars=40)
+    _same_as_parse_chunk(dec, first, 40)
+    for data in later:
+        _same_as_parse_chunk(dec, data, 40)
+        _same_as_parse_chunk(dec, data, 40)  # and again, once any template was (re)learnt from it
+
+
+def test_chunk_framer_writes_what_json_dumps_would():
+    rng = random.Random(7)
+    for model in ("tensorgate/sim-5090", 'q"uote\\d \u2603 tg\u2603probe'):
+        out = ChunkFramer("chatcmpl-abc", 1_700_000_000, model)
+        for _ in range(300):
+            text = _random_text(rng, rng.randrange(0, 12))
+            expected = frame({"id": "chatcmpl-abc", "object": "chat.completion.chunk", "created": 1_700_000_000,
+                              "model": model, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                                                           "finish_reason": None}]})
+            assert out.content(text) == expected
+            assert json.loads(expected[6:])["choices"][0]["delta"]["content"] == text
+        usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+        assert json.loads(out.usage(usage)[6:]) == {"id": "chatcmpl-abc", "object": "chat.completion.chunk",
+                                                    "created": 1_700_000_000, "model": model, "choices": [],
+                                                    "usage": usage}
+
+
+def test_sse_parser_line_limit_is_exact_in_one_read_or_many():
+    limit = 1000
+    ok = b"data: " + b"x" * (limit - 6) + b"\n\n"  # a line of exactly `limit` bytes
+    bad = b"data: " + b"x" * (limit - 5) + b"\n\n"
+    assert SSEParser(max_line_bytes=limit).feed(ok) == ["x" * (limit - 6)]
+    p = SSEParser(max_line_bytes=limit)
+    assert [e for i in range(0, len(ok), 7) for e in p.feed(ok[i:i + 7])] == ["x" * (limit - 6)]
+    assert not p.pending()
+    for step in (len(bad), 7, 1):
+        p = SSEParser(max_line_bytes=limit)
+        with pytest.raises(SSEGarbage):
+            for i in range(0, len(bad), step):
+                p.feed(bad[i:i + step])
+
+
+def test_signer_fast_path_signs_like_the_sdk(alice, miner_keys):
+    signer = RequestSigner(alice)
+    bob = miner_keys[0].ss58_address
+    store = bt.http_auth.InMemoryNonceStore()
+    sdk = bt.http_auth.sign(alice, method="POST", path="/p", body=b"{}", receiver_ss58=bob, nonce_ns=1)
+    per_request = {bt.http_auth.HEADER_NONCE, bt.http_auth.HEADER_SIGNATURE}
+    for i in range(3):  # the first goes through the SDK, later ones through the cached signer
+        body_bytes = f'{{"i": {i}}}'.encode()
+        h = signer.sign(path="/p", body=body_bytes, receiver_ss58=bob)
+        assert set(h) == set(sdk)
+        assert {k: v for k, v in h.items() if k not in per_request} == {k: v for k, v in sdk.items()
+                                                                          if k not in per_request}
+        caller = bt.http_auth.verify(h, body_bytes, method="POST", path="/p", self_hotkey_ss58=bob, nonce_store=store)
+        assert caller.hotkey_ss58 == alice.ss58_address
+        with pytest.raises(bt.http_auth.BadSignature):
+            bt.http_auth.verify(h, body_bytes + b" ", method="POST", path="/p", self_hotkey_ss58=bob)
+
+
+async def test_next_batch_yields_what_iteration_yields(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=6))
+    h = await make_gateway([m])
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    got: dict[str, list] = {}
+    for how in ("iterate", "batch"):
+        lease = h.router.acquire()
+        assert lease is not None
+        try:
+            async with await h.upstream.open(lease, payload) as stream:
+                chunks = []
+                if how == "iterate":
+                    chunks = [ch async for ch in stream]
+                else:
+                    while batch := await stream.next_batch():
+                        assert batch
+                        chunks += batch
+                    assert stream.ready and await stream.next_batch() == []  # ended: never waits again
+                assert stream.ok and stream.tokens == 6
+                got[how] = chunks
+        finally:
+            h.router.release(lease)
+    assert got["batch"] == got["iterate"]
+    assert [c.content for c in got["batch"] if c.content] == [m.token(i) for i in range(6)]
+    assert [x.ok for x in h.measurements()] == [True, True]
+
+
+async def test_deadline_moves_with_events_and_total_still_caps(make_miner, make_gateway):
+    """The one timer per stream is re-armed as tokens arrive (a slow-but-steady stream lives on), yet
+    ``total`` ends a stream that never stalls."""
+    steady = await make_miner(Script("ok", tokens=12, token_delay=0.1))  # ~1.1 s, gaps far below the stall
+    h = await make_gateway([steady], timeouts=UpstreamTimeouts(connect=2.0, first_token=0.6, stall=0.6, total=15.0))
+    async with h.chat(body(max_tokens=12)) as r:
+        events = await asyncio.wait_for(read_sse(r), timeout=10)
+    assert contents(events) == [steady.token(i) for i in range(12)] and events[-1] == "[DONE]"
+    assert [x.ok for x in h.measurements()] == [True]
+
+    capped = await make_gateway([steady], timeouts=UpstreamTimeouts(connect=2.0, first_token=0.6, stall=0.6,
+                                                                      total=0.5))
+    async with capped.chat(body(max_tokens=12)) as r:
+        events = await asyncio.wait_for(read_sse(r), timeout=10)
+    assert 1 <= len(contents(events)) < 12
+    assert events[-2]["error"]["code"] == "upstream_timeout" and events[-1] == "[DONE]"
+    assert [x.failure for x in capped.measurements()] == [FAIL_TIMEOUT]
+    assert await eventually(lambda: steady.active == 0)
+
+
+async def test_relayed_frames_are_the_openai_shape(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=5))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=5, stream_options={"include_usage": True})) as r:
+        events = await read_sse(r)
+    first, *middle, usage, done = events
+    assert done == "[DONE]"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["tensorgate"] == {"miner_uid": 1, "miner_hotkey": m.hotkey}
+    cid = first["id"]
+    assert cid.startswith("chatcmpl-") and cid != f"chatcmpl-{m.tag}"  # the gateway's id, not the miner's
+    for e in middle:
+        assert set(e) == {"id", "object", "created", "model", "choices"}
+        assert (e["id"], e["object"], e["created"], e["model"]) == (cid, "chat.completion.chunk", first["created"],
+                                                                    MODEL)
+        assert set(e["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"}
+    assert contents(middle) == [m.token(i) for i in range(5)]
+    assert middle[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5 and usage["id"] == cid
