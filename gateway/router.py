@@ -6,6 +6,17 @@ score. A deterministic tie-break is the bug this module exists to avoid: when re
 overlap every miner has zero in flight, and "highest score wins" sends every request to one card,
 whose TTFT then rises while it is paid less.
 
+Two refinements, both measured by ``scripts/soak.py``:
+
+* *Two weighted draws, less-served wins.* Each pick draws two miners at random in proportion to
+  score and keeps the one that is behind on its score-proportional share (stride-scheduling "pass":
+  +1/score per dispatch). Every pick stays random, shares stay proportional to score, but the luck of
+  the draw no longer lets one of two identical cards carry 55-60 % of a light hour's traffic and
+  come out with a worse TTFT for it (the "power of two choices" effect).
+* *Zero scores last.* A miner scored 0 (dead, lying, hopeless) is chosen only when no miner with a
+  positive score is eligible at any load, so a card that died leaves organic routing as soon as a
+  round has scored it; probes keep measuring it and bring it back when it recovers.
+
 Example::
 
     import random
@@ -52,6 +63,7 @@ class MinerState:
     score: float | None = None  # None: not measured yet, routed at the prior
     in_flight: int = 0
     served: int = 0
+    passes: float = 0.0  # stride-scheduling pass: grows by 1/score per dispatch
     _bucket: float = field(default=0.0, repr=False)
 
     @property
@@ -76,10 +88,11 @@ class _Bucket:
     rebuilding a cumulative sum of the whole bucket after every move.
     """
 
-    __slots__ = ("order", "_pos", "_w", "_tree", "_cap", "_top", "_total", "_updates")
+    __slots__ = ("order", "positive", "_pos", "_w", "_tree", "_cap", "_top", "_total", "_updates")
 
     def __init__(self) -> None:
         self.order: list[MinerState] = []
+        self.positive = 0  # members with a positive weight (exact, unlike the float total)
         self._pos: dict[int, int] = {}
         self._w: list[float] = []
         self._cap = 0
@@ -121,6 +134,7 @@ class _Bucket:
         self.order.append(m)
         self._pos[m.uid] = i
         self._w.append(weight)
+        self.positive += weight > 0.0
         if i + 1 > self._cap or self._updates > 100_000:
             self._rebuild(self._cap * 2 if i + 1 > self._cap else self._cap)
             return
@@ -132,6 +146,7 @@ class _Bucket:
         i = self._pos.pop(m.uid)
         last = len(self.order) - 1
         wi = self._w[i]
+        self.positive -= wi > 0.0
         if i != last:
             moved, wl = self.order[last], self._w[last]
             self.order[i], self._w[i] = moved, wl
@@ -181,6 +196,9 @@ def _clean_score(value: float) -> float:
     return min(value, 1e9)
 
 
+HORIZON = 4.0  # dispatches of memory each way, in units of a miner's own stride
+
+
 class Router:
     """Chooses a miner per request; tracks this validator's in-flight requests exactly.
 
@@ -195,6 +213,11 @@ class Router:
         self._prior = 1.0 if prior is None else _clean_score(prior)
         self._miners: dict[int, MinerState] = {}
         self._buckets: dict[float, _Bucket] = {}
+        # Virtual time: advances 1/(sum of weights) per dispatch, so a miner served exactly its share
+        # keeps its pass level with it. Passes are held within HORIZON dispatches of it, so a burst of
+        # forced picks (everyone else busy) is not repaid by starving that miner for an hour after.
+        self._vt = 0.0
+        self._wsum = 1.0
 
     # -- membership and scores -------------------------------------------------------------------
 
@@ -213,9 +236,11 @@ class Router:
                 del self._miners[uid]
         for uid, c in wanted.items():
             if uid not in self._miners:
-                m = MinerState(uid=c.uid, hotkey=c.hotkey, endpoint=c.endpoint, slots=max(1, int(c.slots)))
+                m = MinerState(uid=c.uid, hotkey=c.hotkey, endpoint=c.endpoint, slots=max(1, int(c.slots)),
+                               passes=self._vt)  # joins level with the others: no catch-up burst
                 self._miners[uid] = m
                 self._bucket_in(m)
+        self._reweigh()
 
     def set_scores(self, scores: Mapping[str, float]) -> None:
         """Routing scores keyed by hotkey (so a re-registered UID cannot inherit a score)."""
@@ -228,6 +253,10 @@ class Router:
         for m in list(self._miners.values()):  # weights changed: re-bucket everyone (once a round)
             self._unbucket(m)
             self._bucket_in(m)
+        self._reweigh()
+
+    def _reweigh(self) -> None:
+        self._wsum = sum(self._weight(m) for m in self._miners.values()) or 1.0
 
     def _weight(self, m: MinerState) -> float:
         return self._prior if m.score is None else m.score
@@ -236,14 +265,38 @@ class Router:
 
     def pick(self, exclude: frozenset[int] | set[int] = frozenset()) -> MinerState | None:
         """The miner the next request should go to, or None when nothing is eligible."""
+        zero_only: list[MinerState] | None = None  # the least-loaded miners, if all scored 0
         for load in sorted(self._buckets):
             bucket = self._buckets[load]
             if not exclude:
-                return bucket.pick(self._rng)
+                if bucket.positive:
+                    return self._less_served(bucket.pick(self._rng), bucket.pick(self._rng))
+                if zero_only is None:
+                    zero_only = bucket.order
+                continue
             rest = [m for m in bucket.order if m.uid not in exclude]
-            if rest:
-                return _weighted_choice(rest, [self._weight(m) for m in rest], self._rng)
+            scored = [m for m in rest if self._weight(m) > 0.0]
+            if scored:
+                weights = [self._weight(m) for m in scored]
+                return self._less_served(_weighted_choice(scored, weights, self._rng),
+                                         _weighted_choice(scored, weights, self._rng))
+            if rest and zero_only is None:
+                zero_only = rest
+        if zero_only:
+            return zero_only[self._rng.randrange(len(zero_only))]
         return None
+
+    def _pass(self, m: MinerState) -> float:
+        """The miner's pass, held within HORIZON of its own strides around the virtual time."""
+        w = self._weight(m) or self._prior or 1.0
+        lo, hi = self._vt - HORIZON / w, self._vt + HORIZON / w
+        return lo if m.passes < lo else hi if m.passes > hi else m.passes
+
+    def _less_served(self, a: MinerState, b: MinerState) -> MinerState:
+        if a is b:
+            return a
+        pa, pb = self._pass(a), self._pass(b)
+        return b if pb < pa else a  # equal: a, itself a random draw
 
     def acquire(self, exclude: frozenset[int] | set[int] = frozenset()) -> Lease | None:
         """Pick a miner and count one request in flight on it."""
@@ -258,6 +311,8 @@ class Router:
         lease = Lease(miner=m, in_flight_at_dispatch=m.in_flight)
         self._unbucket(m)
         m.in_flight += 1
+        m.passes = self._pass(m) + 1.0 / (self._weight(m) or self._prior or 1.0)
+        self._vt += 1.0 / self._wsum
         self._bucket_in(m)
         return lease
 
