@@ -924,3 +924,36 @@ async def test_relayed_frames_are_the_openai_shape(make_miner, make_gateway):
     assert contents(middle) == [m.token(i) for i in range(5)]
     assert middle[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5 and usage["id"] == cid
+
+
+async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway, monkeypatch):
+    """Headers go out with the first frame, usage and ``[DONE]`` with the last: never a write per chunk."""
+    from gateway import server, upstream
+
+    counts = Counter()
+    real_write, real_eof = server._EventStream.write, server._EventStream.write_eof
+    real_fill = upstream.UpstreamStream._fill
+
+    async def write(self, data):
+        counts["write"] += 1
+        await real_write(self, data)
+
+    async def write_eof(self, data=b""):
+        counts["write"] += bool(data)
+        await real_eof(self, data)
+
+    async def fill(self):
+        counts["read"] += 1
+        await real_fill(self)
+
+    monkeypatch.setattr(server._EventStream, "write", write)
+    monkeypatch.setattr(server._EventStream, "write_eof", write_eof)
+    monkeypatch.setattr(upstream.UpstreamStream, "_fill", fill)
+    m = await make_miner(Script("ok", tokens=8, token_delay=0.02))  # tokens 1..7 arrive in reads of their own
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=8, stream_options={"include_usage": True})) as r:
+        events = await read_sse(r)
+    assert contents(events) == [m.token(i) for i in range(8)] and events[-1] == "[DONE]"
+    # 12 frames (role, 8 tokens, finish, usage, [DONE]): role+token 0 share a write, as do usage+[DONE]
+    # (with token 7 and the finish when they came in the same read); a write per frame would be 12
+    assert len(events) == 12 and 1 <= counts["write"] <= min(10, counts["read"])
