@@ -155,6 +155,12 @@ class Upstream:
         self.stats: dict[int, MinerStats] = {}
         self.dispatched = 0
         self._client_timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        pool = getattr(session.connector, "limit", 0)
+        if pool:
+            # a request waiting for a pooled connection is already on the TTFT clock: the miner would be
+            # charged for the gateway's queue
+            logger.warning("upstream session caps connections at {}: use aiohttp.TCPConnector(limit=0) so streams "
+                           "beyond it do not queue inside the gateway", pool)
 
     def _client_timeout(self, connect: float) -> aiohttp.ClientTimeout:
         ct = self._client_timeouts.get(connect)

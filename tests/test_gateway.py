@@ -957,3 +957,21 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
     # 12 frames (role, 8 tokens, finish, usage, [DONE]): role+token 0 share a write, as do usage+[DONE]
     # (with token 7 and the finish when they came in the same read); a write per frame would be 12
     assert len(events) == 12 and 1 <= counts["write"] <= min(10, counts["read"])
+
+
+async def test_a_capped_connection_pool_is_reported(alice):
+    """Streams queued for a pooled connection would be on the miner's TTFT clock: say so at startup."""
+    from loguru import logger
+
+    from gateway.measurement import MeasurementQueue
+    from gateway.upstream import Upstream
+
+    seen: list[str] = []
+    sink_id = logger.add(lambda msg: seen.append(str(msg)), level="WARNING")
+    try:
+        for limit in (0, 7):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit)) as s:
+                Upstream(s, RequestSigner(alice), MeasurementQueue())
+    finally:
+        logger.remove(sink_id)
+    assert len(seen) == 1 and "caps connections at 7" in seen[0]
