@@ -141,7 +141,8 @@ async def make_gateway(alice: Keypair) -> AsyncIterator[Callable[..., Awaitable[
                      for m in miners])
         if scores:
             router.set_scores({m.hotkey: scores[m.tag] for m in miners if m.tag in scores})
-        up_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        up_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                           timeout=aiohttp.ClientTimeout(total=None))
         sink = MeasurementQueue()
         upstream = Upstream(up_session, RequestSigner(alice), sink, timeouts=timeouts)
         config = GatewayConfig.from_sources(port=0, models=[MODEL], keys=[API_KEY], env={}, **cfg)
