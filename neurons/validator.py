@@ -107,11 +107,10 @@ class Validator:
 
     async def start(self) -> None:
         """Sync once, restore routing from saved credits, open the gateway, start the loops."""
-        await self.sync_metagraph()
-        restored = self.scorer.routing_scores()
-        if restored:
-            logger.info("restored routing credits for {} miners from {}", len(restored), self.cfg.state_dir)
-        self.router.set_scores(restored)
+        await self.sync_metagraph()  # also hands the router the credits restored from the state dir
+        if self.scorer.restored:
+            logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
+                        self.cfg.state_dir)
         self._last_weights_block = self.store.last_weights_block()
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
@@ -193,6 +192,7 @@ class Validator:
         if self.my_uid is None:
             logger.warning("hotkey {} is not registered on netuid {}; not setting weights",
                            self.hotkey, self.chain.netuid)
+            self._last_weights_block = block  # say so once an interval, not every block
             return
         params = await self.chain.params()
         since = await self.chain.blocks_since_last_update(self.my_uid)
@@ -218,8 +218,8 @@ class Validator:
             logger.warning("setting weights failed at block {} (will retry): {}", block, outcome.message)
 
     async def run(self, rounds: int | None = None) -> None:
-        await self.start()
         try:
+            await self.start()
             while rounds is None or len(self.rounds) < rounds:
                 await asyncio.sleep(0.2)
                 dead = [t for t in self._tasks if t.done()]
