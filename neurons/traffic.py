@@ -82,7 +82,7 @@ class OrganicTraffic:
                     errored = False
                     if body["stream"]:
                         async for line in resp.content:
-                            if line.startswith(b"data: {") and b'"error"' in line[:20]:
+                            if line.startswith(b'data: {"error"'):  # the gateway's mid-stream error event
                                 errored = True
                     else:
                         json.loads(await resp.read())
