@@ -16,7 +16,7 @@ from gateway.router import Candidate, Router
 from gateway.server import Gateway, GatewayConfig
 from gateway.signing import RequestSigner
 from gateway.upstream import Upstream, UpstreamTimeouts
-from tests.fakes import MODEL, DeadMiner, FakeMiner, Script
+from tests.fakes import MODEL, DeadMiner, FakeMiner, LoopbackMiner, Script
 
 API_KEY = "sk-test-0123456789"
 # Short deadlines so fault tests end quickly, yet generous enough for a loaded 2-core machine.
@@ -57,7 +57,7 @@ def dead_miner(miner_keys: list[Keypair]) -> DeadMiner:
 
 
 @dataclass
-class SimMiner:
+class SimMiner(LoopbackMiner):
     """The real reference miner (neurons.miner) over a SimulatedRuntime, as the gateway sees it."""
 
     tag: str
@@ -66,14 +66,6 @@ class SimMiner:
     port: int
     server: Any  # neurons.miner.MinerServer: .busy, .served, .refused_busy
     runner: Any
-
-    @property
-    def hotkey(self) -> str:
-        return str(self.keypair.ss58_address)
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
 
 @pytest.fixture

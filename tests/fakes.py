@@ -49,6 +49,21 @@ BEHAVIORS = (
 )
 
 
+class LoopbackMiner:
+    """What the router needs of a test miner: its hotkey and its loopback endpoint."""
+
+    keypair: Any
+    port: int
+
+    @property
+    def hotkey(self) -> str:
+        return str(self.keypair.ss58_address)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
 @dataclass
 class Script:
     behavior: str = "ok"
@@ -63,7 +78,7 @@ class Script:
 
 
 @dataclass
-class FakeMiner:
+class FakeMiner(LoopbackMiner):
     keypair: Any
     trusted: str  # the validator hotkey allowed to call
     script: Script = field(default_factory=Script)
@@ -84,14 +99,6 @@ class FakeMiner:
         self._nonces = bt.http_auth.InMemoryNonceStore()
         self._runner: web.AppRunner | None = None
         self.port = 0
-
-    @property
-    def hotkey(self) -> str:
-        return str(self.keypair.ss58_address)
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
     async def start(self) -> None:
         app = web.Application()
@@ -222,7 +229,7 @@ def closed_port() -> int:
 
 
 @dataclass
-class DeadMiner:
+class DeadMiner(LoopbackMiner):
     """A registered miner whose endpoint refuses connections."""
 
     keypair: Any
@@ -232,14 +239,6 @@ class DeadMiner:
 
     def __post_init__(self) -> None:
         self.port = closed_port()
-
-    @property
-    def hotkey(self) -> str:
-        return str(self.keypair.ss58_address)
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
 
 # -- client-side helpers -----------------------------------------------------------------------
