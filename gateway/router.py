@@ -196,6 +196,7 @@ def _clean_score(value: float) -> float:
     return min(value, 1e9)
 
 
+MAX_SLOTS = 64  # the most concurrent requests a miner's advertised slot count can claim
 HORIZON = 4.0  # dispatches of memory each way, in units of a miner's own stride
 
 
@@ -224,6 +225,9 @@ class Router:
     def sync(self, candidates: Iterable[Candidate]) -> None:
         """Replace the eligible set. A UID whose hotkey or endpoint changed starts from nothing.
 
+        ``Candidate.slots`` is the starting slot count of a new miner; a count learned since
+        (:meth:`learn_slots`) is kept across syncs while hotkey and endpoint stay the same.
+
         In-flight requests of a removed or replaced miner keep their lease; releasing it later
         touches only that old state object.
         """
@@ -231,7 +235,7 @@ class Router:
         for uid in list(self._miners):
             c = wanted.get(uid)
             m = self._miners[uid]
-            if c is None or c.hotkey != m.hotkey or c.endpoint != m.endpoint or c.slots != m.slots:
+            if c is None or c.hotkey != m.hotkey or c.endpoint != m.endpoint:
                 self._unbucket(m)
                 del self._miners[uid]
         for uid, c in wanted.items():
@@ -302,6 +306,19 @@ class Router:
         """Pick a miner and count one request in flight on it."""
         m = self.pick(exclude)
         return None if m is None else self.acquire_uid(m.uid)
+
+    def learn_slots(self, m: MinerState, slots: int) -> None:
+        """A miner told us how many requests it serves at once. Advisory, so clamped to
+        ``1..MAX_SLOTS``: a miner overstating it gets more traffic only until it answers 429."""
+        n = min(MAX_SLOTS, max(1, int(slots)))
+        if n == m.slots:
+            return
+        live = self._miners.get(m.uid) is m
+        if live:
+            self._unbucket(m)
+        m.slots = n
+        if live:
+            self._bucket_in(m)
 
     def acquire_uid(self, uid: int) -> Lease | None:
         """Count one request in flight on a specific miner (probes), so organic routing sees it too."""

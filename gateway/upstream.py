@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -52,11 +53,12 @@ from .measurement import (
     MeasurementSink,
 )
 from .openai_schema import estimate_prompt_tokens
-from .router import Lease
+from .router import Lease, MinerState
 from .signing import RequestSigner
 from .sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
 
 PATH = "/v1/chat/completions"
+SLOTS_HEADER = "X-Miner-Slots"  # advisory: clamped by the router
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once, not per request
 
 
@@ -154,6 +156,9 @@ class Upstream:
         self.limits = limits or UpstreamLimits()
         self.stats: dict[int, MinerStats] = {}
         self.dispatched = 0
+        # Called with (miner, n) when a miner advertises its slot count (``X-Miner-Slots``) in an answer;
+        # the validator wires it to ``Router.learn_slots`` so least-in-flight compares in_flight / slots.
+        self.on_slots: Callable[[MinerState, int], None] | None = None
         self._client_timeouts: dict[float, aiohttp.ClientTimeout] = {}
         pool = getattr(session.connector, "limit", 0)
         if pool:
@@ -339,6 +344,9 @@ class UpstreamStream:
                 raise self._fail(FAIL_GARBAGE, detail=f"bad HTTP response: {type(e).__name__}") from None
             self._resp = resp
             self.headers = dict(resp.headers)
+            advertised = resp.headers.get(SLOTS_HEADER)
+            if advertised is not None and self._up.on_slots is not None and advertised.isdigit():
+                self._up.on_slots(miner, int(advertised))
             if resp.status == 429:
                 raise self._fail(FAIL_BUSY, status=429)
             if resp.status != 200:

@@ -117,6 +117,7 @@ class Validator:
             timeout=aiohttp.ClientTimeout(total=None),
         )
         self.upstream = Upstream(self._session, RequestSigner(self.keypair), self.scorer)
+        self.upstream.on_slots = self.router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
         gw_cfg = GatewayConfig.from_sources(
             host=self.cfg.gateway_host,
             port=self.cfg.gateway_port,

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "mixed: 4 cards of different speeds, one degrades, one dies and returns; "
                         "capacity: one miner with twice the slots")
     p.add_argument("--router", default="both", choices=(*ROUTERS, "both", "all"),
-                   help="project: gateway.router.Router as the validator wires it (slots unknown); "
+                   help="project: gateway.router.Router as the validator wires it (slots learned from X-Miner-Slots); "
                         "deterministic: fewest in flight then highest score; slots: the project router with slot "
                         "counts learned from /health (proposal); smooth: least in flight, then smooth weighted "
                         "round robin, zero scores last (proposal); both: project+deterministic; all: the four")

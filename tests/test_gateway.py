@@ -975,3 +975,18 @@ async def test_a_capped_connection_pool_is_reported(alice):
     finally:
         logger.remove(sink_id)
     assert len(seen) == 1 and "caps connections at 7" in seen[0]
+
+
+async def test_slot_count_advertised_by_the_miner_reaches_the_router(make_sim_miner, make_gateway):
+    sim = await make_sim_miner("rtx5090:time_scale=20", slots=3)
+    h = await make_gateway([sim])
+    h.upstream.on_slots = h.router.learn_slots
+    h.router.learn_slots(h.router.get(1), 1)  # as the validator starts: the metagraph carries no slot count
+    assert h.router.get(1).slots == 1
+    lease = h.router.acquire_uid(1)
+    try:
+        m = await h.upstream.probe(lease, body(max_tokens=8))
+    finally:
+        h.router.release(lease)
+    assert m.ok
+    assert h.router.get(1).slots == 3

@@ -323,3 +323,26 @@ def test_forced_picks_are_not_repaid_by_starvation():
     go = sequential(r)
     first = [go() for _ in range(30)]
     assert 0 in first[:15], first
+
+
+def test_learned_slots_make_least_in_flight_capacity_aware_and_survive_sync():
+    r = Router(rng=random.Random(1))
+    cands_ = [Candidate(0, "big", "127.0.0.1:1"), Candidate(1, "small", "127.0.0.1:2")]
+    r.sync(cands_)
+    r.set_scores({"big": 1.0, "small": 1.0})
+    big = r.get(0)
+    assert big is not None
+    r.learn_slots(big, 4)
+    held = [r.acquire_uid(0), r.acquire_uid(0)]  # big: 2 of 4 slots busy (load 0.5) vs small idle (0.0)
+    assert r.pick().uid == 1  # type: ignore[union-attr]
+    held.append(r.acquire_uid(1))  # small: 1 of 1 (load 1.0) -> big (0.5) is now the less loaded
+    assert r.pick().uid == 0  # type: ignore[union-attr]
+    r.sync(cands_)  # a metagraph sync (Candidate.slots defaults to 1) keeps what was learned
+    assert r.get(0) is big and big.slots == 4 and big.in_flight == 2
+    r.learn_slots(big, 10**6)
+    assert big.slots == 64  # advisory: clamped
+    r.learn_slots(big, 0)
+    assert big.slots == 1
+    for lease in held:
+        r.release(lease)  # type: ignore[arg-type]
+    assert r.total_in_flight() == 0

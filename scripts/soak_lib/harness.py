@@ -185,6 +185,8 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                      for m in miners])
         sink = TimeScaledSink(scorer, scale, taps=(tap,))
         upstream = Upstream(session, RequestSigner(vkey), sink, timeouts=scaled_timeouts(UpstreamTimeouts(), scale))
+        if router_kind in ("project", "slots"):  # as neurons.validator wires it: slots from X-Miner-Slots
+            upstream.on_slots = router.learn_slots
         gw = Gateway(GatewayConfig.from_sources(port=0, keys=[API_KEY], models=[MODEL], max_retries=2,
                                                 timeouts=upstream.timeouts), router, upstream)
         await gw.start()

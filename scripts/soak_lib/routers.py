@@ -1,26 +1,15 @@
-"""The routers a soak run compares, and the slot learning the capacity-aware proposal needs.
+"""The routers a soak run compares, and slot learning from ``/health``.
 
-* ``project``: :class:`gateway.router.Router` wired exactly as ``neurons.validator`` wires it today
-  (candidates carry no slot count, so every miner has ``slots=1`` and load is raw in-flight).
+* ``project``: :class:`gateway.router.Router` wired exactly as ``neurons.validator`` wires it: two
+  score-weighted draws, the less-served wins; zero scores last; slot counts learned from the miners'
+  ``X-Miner-Slots`` answers, so load is ``in_flight / slots``.
 * ``deterministic``: the known-bad baseline, fewest in flight, then highest score, then lowest uid.
   When requests never overlap every miner has 0 in flight and the top-scored card gets everything.
-* ``slots``: the project router with slot counts learned from each miner's ``GET /health``, so load
-  is ``in_flight / slots`` (the proposal for the ``capacity`` scenario).
-* ``smooth``: the proposal for ``seed``: least in flight as before, but among the least loaded the
-  next miner is chosen by smooth weighted round robin (random phase) instead of a random draw, so
-  shares follow the scores with no binomial noise; and a miner routed at 0 (dead, garbage) is never
-  chosen while a miner with a positive score is eligible, even a busier one.
-
-Why ``smooth``: a card's TTFT depends on the load it has carried recently, so a random draw that
-happens to give one of two identical cards 60 % of a round also gives it a worse credit; over a
-settlement window that noise alone separates identical cards by more than the 0.03 target.
-
-Example::
-
-    r = make_router("deterministic", random.Random(1))
-    r.sync([Candidate(1, "a", "127.0.0.1:1"), Candidate(2, "b", "127.0.0.1:2")])
-    r.set_scores({"a": 0.9, "b": 0.95})
-    r.acquire().miner.uid          # 2, every time
+* ``slots``: the project router with slot counts also read from each miner's ``GET /health`` before
+  the first request (what an up-front capacity probe would add).
+* ``smooth``: a comparison: least in flight, then smooth weighted round robin (random phase) among the
+  least loaded, zero scores last (O(n) per pick; the project router reaches the same shares with a
+  random two-choice draw in O(log n)).
 """
 
 from __future__ import annotations
