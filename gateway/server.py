@@ -237,11 +237,15 @@ class Gateway:
                     except UpstreamError as e:
                         failures.append(e)
                         continue
-                    # committed: from here on this request belongs to this miner, no retry
                     if req.stream:
+                        # committed: the client sees bytes from here on, so no other miner may follow
                         resp = await self._relay(request, req, stream, head)
                     else:
-                        resp = await self._assemble(req, stream, head)
+                        try:  # the client sees nothing until the whole answer is in: a failure can retry
+                            resp = await self._assemble(req, stream, head)
+                        except UpstreamError as e:
+                            failures.append(e)
+                            continue
                     served = stream.ok
                     return resp
             finally:
@@ -320,11 +324,8 @@ class Gateway:
 
     async def _assemble(self, req: ChatRequest, stream: UpstreamStream, head: list[ChunkInfo]) -> web.Response:
         parts = [ch.content for ch in head]
-        try:
-            while batch := await stream.next_batch():
-                parts += [ch.content for ch in batch]
-        except UpstreamError as e:
-            raise _mid_stream_error(e) from None
+        while batch := await stream.next_batch():  # UpstreamError: the caller tries another miner
+            parts += [ch.content for ch in batch]
         body = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion",

@@ -281,14 +281,29 @@ async def test_no_retry_after_first_byte(make_miner, make_gateway):
     assert h.router.total_in_flight() == 0
 
 
-async def test_no_retry_after_first_byte_non_streaming_gives_502(make_miner, make_gateway):
+async def test_non_streaming_failure_mid_answer_is_retried_on_another_miner(make_miner, make_gateway):
+    """A non-streaming client has seen no byte until the whole answer is in, so a miner that drops
+    mid-answer is retried; the answer holds only the second miner's tokens, never a splice."""
     drop = await make_miner(Script("drop_after", tokens=8, after=2), tag="drop-")
-    ok = await make_miner(Script("ok"), tag="ok-")
+    ok = await make_miner(Script("ok", tokens=4), tag="ok-")
     h = await make_gateway([drop, ok], scores={"drop-": 1.0, "ok-": 0.0})
+    async with h.chat(body(stream=False, max_tokens=4)) as r:
+        assert r.status == 200
+        doc = await r.json()
+    assert doc["choices"][0]["message"]["content"] == "".join(ok.token(i) for i in range(4))
+    assert doc["tensorgate"]["miner_uid"] == h.uids["ok-"]
+    assert [x.failure for x in h.measurements()] == [FAIL_DROPPED, None]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_non_streaming_gives_502_when_every_miner_fails_mid_answer(make_miner, make_gateway):
+    drops = [await make_miner(Script("drop_after", tokens=8, after=2), tag=f"d{i}-") for i in range(2)]
+    h = await make_gateway(drops, max_retries=1)
     async with h.chat(body(stream=False)) as r:
         assert r.status == 502
         await error_of(r)
-    assert ok.requests == 0
+    assert [x.failure for x in h.measurements()] == [FAIL_DROPPED, FAIL_DROPPED]
+    assert h.router.total_in_flight() == 0
 
 
 async def test_stall_mid_stream_ends_with_error_event_not_a_hang(make_miner, make_gateway):
