@@ -27,10 +27,13 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction")
 
 
+DEFAULT_MAX_TOKENS = 256  # completion length when a request names none
+
+
 @dataclass(frozen=True, slots=True)
 class SchemaLimits:
     models: tuple[str, ...]
-    default_max_tokens: int = 256
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_cap: int = 4096
     max_messages: int = 256
 
@@ -57,6 +60,18 @@ class ChatRequest:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+
+
+def requested_max_tokens(body: dict[str, Any], default: int = DEFAULT_MAX_TOKENS) -> int:
+    """The completion cap a chat body asks for (``max_completion_tokens`` first), or ``default``.
+
+    Lenient on purpose: for bodies already validated, or read by a miner that must not refuse them.
+    """
+    for name in ("max_completion_tokens", "max_tokens"):
+        v = body.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return default
 
 
 def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:

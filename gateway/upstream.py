@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from .measurement import (
     Measurement,
     MeasurementSink,
 )
-from .openai_schema import estimate_prompt_tokens
+from .openai_schema import estimate_prompt_tokens, requested_max_tokens
 from .router import Lease, MinerState
 from .signing import RequestSigner
 from .sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
@@ -106,19 +107,7 @@ class MinerStats:
     failures: Counter[str] = field(default_factory=Counter)
 
     def ttft_p50(self) -> float | None:
-        if not self.ttfts:
-            return None
-        s = sorted(self.ttfts)
-        n = len(s)
-        return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
-def _max_tokens_of(body: dict[str, Any], default: int) -> int:
-    for name in ("max_completion_tokens", "max_tokens"):
-        v = body.get(name)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return default
+        return statistics.median(self.ttfts) if self.ttfts else None
 
 
 _LEADING = ("model", "messages")
@@ -236,7 +225,7 @@ class UpstreamStream:
         self.probe = probe
         self._tmo = timeouts
         limits = upstream.limits
-        self.max_tokens = _max_tokens_of(payload, limits.default_max_tokens)
+        self.max_tokens = requested_max_tokens(payload, limits.default_max_tokens)
         body = _canonical_body(payload, self.max_tokens)
         messages = body.get("messages")
         self.prompt_tokens = estimate_prompt_tokens(messages) if isinstance(messages, list) else 0

@@ -57,7 +57,6 @@ def local_config(cfg: ValidatorConfig) -> ValidatorConfig:
         round_s=cfg.local_round_s,
         weights_interval_blocks=min(cfg.weights_interval_blocks, blocks_per_round),
         sync_interval_blocks=min(cfg.sync_interval_blocks, max(1, blocks_per_round // 2)),
-        min_validator_stake=cfg.min_validator_stake,
     )
 
 

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-DEFAULT_MAX_TOKENS = 256
+from gateway.openai_schema import requested_max_tokens
 
 _VOCAB = (
     "the of and to in is that for it as with was on be by this are from or at an which have not had "
@@ -184,14 +184,6 @@ def estimate_prompt_tokens(messages: Any) -> int:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         chars += len(part["text"])
     return max(1, round(chars / 4))
-
-
-def requested_max_tokens(payload: dict[str, Any], default: int = DEFAULT_MAX_TOKENS) -> int:
-    for key in ("max_completion_tokens", "max_tokens"):
-        v = payload.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return default
 
 
 class _Frames:
