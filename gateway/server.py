@@ -15,7 +15,7 @@ each content frame built from cached bytes (:class:`gateway.sse.ChunkFramer`).
 Example::
 
     cfg = GatewayConfig.from_sources(port=0, models=["tensorgate/sim-5090"], keys=["sk-local"])
-    gw = Gateway(cfg, router, Upstream(session, RequestSigner(keypair), sink))
+    gw = Gateway(cfg, router, Upstream(MinerPool(), RequestSigner(keypair), sink))
     await gw.start()
     print(f"http://127.0.0.1:{gw.port}/v1")   # base_url for the official openai client
     await gw.stop()

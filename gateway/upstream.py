@@ -7,9 +7,13 @@ completion tokens are the content chunks the gateway itself counted. Whatever th
 refuse (429), hang, stall, send garbage, NaN, too-long lines, more tokens than ``max_tokens``, drop
 the connection — the stream is bounded, stopped and recorded as exactly one :class:`Measurement`.
 
+The bytes travel over :class:`gateway.miner_http.MinerPool` (pooled keep-alive connections, parsed
+inside ``data_received``): each network read is parsed, measured and queued at once, so TTFT is
+taken when the bytes arrive, not when the consumer gets round to them.
+
 Example::
 
-    up = Upstream(session, RequestSigner(keypair), sink=MeasurementQueue())
+    up = Upstream(MinerPool(), RequestSigner(keypair), sink=MeasurementQueue())
     lease = router.acquire()
     try:
         async with await up.open(lease, {"model": m, "messages": msgs, "max_tokens": 64}) as stream:
@@ -37,7 +41,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import aiohttp
 from loguru import logger
 
 from .measurement import (
@@ -53,18 +56,20 @@ from .measurement import (
     Measurement,
     MeasurementSink,
 )
+from .miner_http import MinerConnection, MinerHTTPError, MinerPool, encode_request
 from .openai_schema import estimate_prompt_tokens, requested_max_tokens
 from .router import Lease, MinerState
 from .signing import RequestSigner
 from .sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
 
 PATH = "/v1/chat/completions"
-SLOTS_HEADER = "X-Miner-Slots"  # advisory: clamped by the router
+SLOTS_HEADER = "x-miner-slots"  # advisory: clamped by the router (header names arrive lower-cased)
+PAUSE_CHUNKS = 1024  # decoded chunks waiting for the consumer before reading from the miner pauses
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once, not per request
 
 
 class _DeadlinePassed(Exception):
-    """Set on the response's reader by the stream's deadline timer to end a pending read."""
+    """Set on the stream's pending wait by its deadline timer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,17 +133,17 @@ def _canonical_body(payload: dict[str, Any], max_tokens: int) -> dict[str, Any]:
 
 
 class Upstream:
-    """Dispatches requests to miners over one shared ``aiohttp.ClientSession``."""
+    """Dispatches requests to miners over one shared :class:`MinerPool`."""
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        pool: MinerPool,
         signer: RequestSigner,
         sink: MeasurementSink,
         timeouts: UpstreamTimeouts | None = None,
         limits: UpstreamLimits | None = None,
     ) -> None:
-        self._session = session
+        self._pool = pool
         self._signer = signer
         self._sink = sink
         self.timeouts = timeouts or UpstreamTimeouts()
@@ -148,20 +153,6 @@ class Upstream:
         # Called with (miner, n) when a miner advertises its slot count (``X-Miner-Slots``) in an answer;
         # the validator wires it to ``Router.learn_slots`` so least-in-flight compares in_flight / slots.
         self.on_slots: Callable[[MinerState, int], None] | None = None
-        self._client_timeouts: dict[float, aiohttp.ClientTimeout] = {}
-        pool = getattr(session.connector, "limit", 0)
-        if pool:
-            # a request waiting for a pooled connection is already on the TTFT clock: the miner would be
-            # charged for the gateway's queue
-            logger.warning("upstream session caps connections at {}: use aiohttp.TCPConnector(limit=0) so streams "
-                           "beyond it do not queue inside the gateway", pool)
-
-    def _client_timeout(self, connect: float) -> aiohttp.ClientTimeout:
-        ct = self._client_timeouts.get(connect)
-        if ct is None:
-            ct = self._client_timeouts[connect] = aiohttp.ClientTimeout(total=None, connect=connect,
-                                                                        sock_connect=connect)
-        return ct
 
     async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,
                    timeouts: UpstreamTimeouts | None = None) -> UpstreamStream:
@@ -233,8 +224,9 @@ class UpstreamStream:
         self._parser = SSEParser(max_line_bytes=limits.max_line_bytes)
         self._decoder = ChunkDecoder(limits.max_content_chars)
         self._timer: asyncio.TimerHandle | None = None  # the one deadline timer, moved lazily
-        self._reading = False  # a read is pending: the only time the timer has to interrupt anything
-        self._resp: aiohttp.ClientResponse | None = None
+        self._waiter: asyncio.Future[None] | None = None  # the consumer waiting for the next read
+        self._conn: MinerConnection | None = None
+        self._streaming = False  # the head was accepted: reads are parsed as they arrive
         self._pending: deque[ChunkInfo] = deque()
         self._error: UpstreamError | None = None
         self._last_event = self.t0
@@ -284,11 +276,12 @@ class UpstreamStream:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._resp is not None:
-            if failure is None:
-                self._resp.release()
+        if self._conn is not None:
+            if failure in (None, FAIL_BUSY, FAIL_HTTP):
+                self._up._pool.release(self._conn)  # reused once its response has ended cleanly
             else:
-                self._resp.close()  # frees the miner's slot now, not when the socket times out
+                self._conn.close()  # frees the miner's slot now, not when the socket times out
+        self._wake()
         if failure is not None and failure != CLIENT_DISCONNECT:
             self._error = UpstreamError(failure, m, status=status, after_content=self.content_started,
                                         detail=detail)
@@ -311,44 +304,66 @@ class UpstreamStream:
 
     async def _connect(self) -> None:
         miner = self.lease.miner
-        tmo = self._tmo
         try:
-            headers = self._up._signer.sign(path=PATH, body=self._body, receiver_ss58=miner.hotkey)
-            headers["Content-Type"] = "application/json"
-            headers["Accept"] = "text/event-stream"
-            try:
-                async with asyncio.timeout(min(tmo.first_token, tmo.total)):
-                    resp = await self._up._session.post(
-                        f"http://{miner.endpoint}{PATH}",
-                        data=self._body,
-                        headers=headers,
-                        timeout=self._up._client_timeout(tmo.connect),
-                    )
-            except aiohttp.ClientConnectionError as e:
-                # connect refused/timed out, reset or closed before any answer
-                raise self._fail(FAIL_CONNECT, detail=type(e).__name__) from None
-            except TimeoutError:
-                raise self._fail(FAIL_TIMEOUT, detail="no response headers before the first-token deadline") from None
-            except aiohttp.ClientError as e:
-                raise self._fail(FAIL_GARBAGE, detail=f"bad HTTP response: {type(e).__name__}") from None
-            self._resp = resp
-            self.headers = dict(resp.headers)
-            advertised = resp.headers.get(SLOTS_HEADER)
+            conn = await self._send(reused_ok=True)
+            if conn.error is not None and not conn.head_done and conn.uses > 1 \
+                    and not isinstance(conn.error, MinerHTTPError):
+                conn.close()  # a pooled connection the miner had already closed: once more on a fresh one
+                conn = await self._send(reused_ok=False)
+            if not conn.head_done:
+                if isinstance(conn.error, MinerHTTPError):
+                    raise self._fail(FAIL_GARBAGE, detail=f"bad HTTP response: {conn.error}")
+                raise self._fail(FAIL_CONNECT, detail=type(conn.error).__name__)
+            self.headers = conn.headers
+            advertised = conn.headers.get(SLOTS_HEADER)
             if advertised is not None and self._up.on_slots is not None and advertised.isdigit():
                 self._up.on_slots(miner, int(advertised))
-            if resp.status == 429:
+            status = conn.status
+            if status == 429:
                 raise self._fail(FAIL_BUSY, status=429)
-            if resp.status != 200:
-                raise self._fail(FAIL_HTTP, status=resp.status, detail=f"HTTP {resp.status}")
-            if resp.content_type != "text/event-stream":
-                raise self._fail(FAIL_GARBAGE, status=200, detail=f"content type {resp.content_type!r}")
-            self._timer = self._loop.call_at(self._next_deadline(), self._on_deadline)
+            if status != 200:
+                raise self._fail(FAIL_HTTP, status=status, detail=f"HTTP {status}")
+            ctype = conn.headers.get("content-type", "").partition(";")[0].strip().lower()
+            if ctype != "text/event-stream":
+                raise self._fail(FAIL_GARBAGE, status=200, detail=f"content type {ctype!r}")
+            encoding = conn.headers.get("content-encoding", "identity").strip().lower()
+            if encoding != "identity":
+                raise self._fail(FAIL_GARBAGE, status=200, detail=f"content encoding {encoding!r}")
+            self._streaming = True
+            self._consume(conn)  # body bytes that came with the head
         except UpstreamError:
             raise
         except BaseException:
             # cancelled (client gone, shutdown) or an unexpected bug: still exactly one measurement
             self._finish(CLIENT_DISCONNECT)
             raise
+
+    async def _send(self, *, reused_ok: bool) -> MinerConnection:
+        """Sign and write the request; return once the head arrived, the connection failed, or raise."""
+        miner = self.lease.miner
+        tmo = self._tmo
+        try:
+            remaining = self._next_deadline() - self._loop.time()
+            conn = await self._up._pool.connect(miner.endpoint, connect_timeout=max(0.0, min(tmo.connect, remaining)),
+                                                fresh=not reused_ok)
+        except (OSError, TimeoutError, ValueError) as e:
+            raise self._fail(FAIL_CONNECT, detail=type(e).__name__) from None
+        self._conn = conn
+        headers = self._up._signer.sign(path=PATH, body=self._body, receiver_ss58=miner.hotkey)
+        headers["Content-Type"] = "application/json"
+        headers["Accept"] = "text/event-stream"
+        try:
+            conn.send(encode_request("POST", PATH, miner.endpoint, headers, self._body), self)
+        except ConnectionError as e:
+            conn.error = e
+            return conn
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._next_deadline(), self._on_deadline)
+        while not conn.head_done and conn.error is None:
+            if self._loop.time() >= self._next_deadline():
+                raise self._fail(FAIL_TIMEOUT, detail="no response headers before the first-token deadline")
+            await self._wait()
+        return conn
 
     # -- streaming -------------------------------------------------------------------------------
 
@@ -378,6 +393,8 @@ class UpstreamStream:
             await self._fill()
         batch = list(self._pending)
         self._pending.clear()
+        if self._conn is not None:
+            self._conn.resume_reading()
         return batch
 
     @property
@@ -405,40 +422,62 @@ class UpstreamStream:
         deadline = self._next_deadline()
         if self._loop.time() < deadline:
             self._timer = self._loop.call_at(deadline, self._on_deadline)
-        elif self._reading and self._resp is not None:
-            self._resp.content.set_exception(_DeadlinePassed())
-        # not reading: the consumer is busy elsewhere; its next _fill sees the deadline has passed
+        elif self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(_DeadlinePassed())
+        # nobody waiting: the consumer is busy elsewhere; its next _fill sees the deadline has passed
 
     def _timed_out(self) -> None:
         self._fail(FAIL_TIMEOUT, detail="stalled" if self.content_started else "no first token")
 
     async def _fill(self) -> None:
-        assert self._resp is not None
+        """Wait for the next read (it is parsed on arrival, by :meth:`on_read`) or the deadline."""
         if self._loop.time() >= self._next_deadline():
             self._timed_out()
             return
-        self._reading = True
-        try:
-            data = await self._resp.content.readany()
-        except _DeadlinePassed:
+        await self._wait()
+        if not self._pending and not self.finished and self._loop.time() >= self._next_deadline():
             self._timed_out()
-            return
-        except (aiohttp.ClientError, ConnectionError) as e:
-            self._fail(FAIL_DROPPED, detail=type(e).__name__)
-            return
-        finally:
-            self._reading = False
-        if not data:
-            self._on_eof()
-            return
+
+    async def _wait(self) -> None:
+        self._waiter = self._loop.create_future()
         try:
-            events = self._parser.feed(data)
-        except SSEGarbage as e:
-            self._fail(FAIL_GARBAGE, detail=str(e))
-            return
-        for ev in events:
-            if not self._on_event(ev):
+            await self._waiter
+        except _DeadlinePassed:
+            pass
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def on_read(self, conn: MinerConnection) -> None:
+        """Called by the connection after every network read: parse and measure now, then wake the consumer."""
+        if conn is self._conn and self._streaming and self.measurement is None:
+            self._consume(conn)
+            if len(self._pending) > PAUSE_CHUNKS and self.measurement is None:
+                conn.pause_reading()  # the consumer (a slow client) is behind: TCP pushes back on the miner
+        self._wake()
+
+    def _consume(self, conn: MinerConnection) -> None:
+        data = conn.take_body()
+        if data:
+            try:
+                events = self._parser.feed(data)
+            except SSEGarbage as e:
+                self._fail(FAIL_GARBAGE, detail=str(e))
                 return
+            for ev in events:
+                if not self._on_event(ev):
+                    return
+        if conn.error is not None:
+            if isinstance(conn.error, MinerHTTPError):
+                self._fail(FAIL_GARBAGE, detail=str(conn.error))
+            else:
+                self._fail(FAIL_DROPPED, detail=type(conn.error).__name__)
+        elif conn.complete:
+            self._on_eof()
 
     def _on_event(self, data: str) -> bool:
         """Handle one event; False when the stream ended (done or failed)."""

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from loguru import logger
 
+from gateway.miner_http import MinerPool
 from gateway.router import Candidate, Router
 from gateway.server import Gateway, GatewayConfig
 from gateway.signing import RequestSigner
@@ -97,7 +97,7 @@ class Validator:
         self.weights_set: list[tuple[int, dict[int, float]]] = []
         self.restarts: dict[str, int] = {}
         self._last_weights_block: int | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: MinerPool | None = None
         self.gateway: Gateway | None = None
         self.upstream: Upstream | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -112,11 +112,8 @@ class Validator:
             logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
                         self.cfg.state_dir)
         self._last_weights_block = self.store.last_weights_block()
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-            timeout=aiohttp.ClientTimeout(total=None),
-        )
-        self.upstream = Upstream(self._session, RequestSigner(self.keypair), self.scorer)
+        self._pool = MinerPool()
+        self.upstream = Upstream(self._pool, RequestSigner(self.keypair), self.scorer)
         self.upstream.on_slots = self.router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
         gw_cfg = GatewayConfig.from_sources(
             host=self.cfg.gateway_host,
@@ -152,8 +149,8 @@ class Validator:
             await self._probes.aclose()
         if self.gateway is not None:
             await self.gateway.stop()
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            await self._pool.close()
         self.store.close()
 
     # -- loops -----------------------------------------------------------------------------------

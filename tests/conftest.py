@@ -12,6 +12,7 @@ import pytest
 from bittensor.sp_core import Keypair
 
 from gateway.measurement import MeasurementQueue
+from gateway.miner_http import MinerPool
 from gateway.router import Candidate, Router
 from gateway.server import Gateway, GatewayConfig
 from gateway.signing import RequestSigner
@@ -133,21 +134,20 @@ async def make_gateway(alice: Keypair) -> AsyncIterator[Callable[..., Awaitable[
                      for m in miners])
         if scores:
             router.set_scores({m.hotkey: scores[m.tag] for m in miners if m.tag in scores})
-        up_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                           timeout=aiohttp.ClientTimeout(total=None))
+        pool = MinerPool()
         sink = MeasurementQueue()
-        upstream = Upstream(up_session, RequestSigner(alice), sink, timeouts=timeouts)
+        upstream = Upstream(pool, RequestSigner(alice), sink, timeouts=timeouts)
         config = GatewayConfig.from_sources(port=0, models=[MODEL], keys=[API_KEY], env={}, **cfg)
         gw = Gateway(config, router, upstream)
         await gw.start()
         client = aiohttp.ClientSession()
         h = Harness(gateway=gw, router=router, upstream=upstream, sink=sink, client=client, uids=uids,
                     items=list(miners))
-        made.append((h, up_session))
+        made.append((h, pool))
         return h
 
     yield make
-    for h, up_session in made:
+    for h, pool in made:
         await h.client.close()
         await h.gateway.stop()
-        await up_session.close()
+        await pool.close()

@@ -947,7 +947,7 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
 
     counts = Counter()
     real_write, real_eof = server._EventStream.write, server._EventStream.write_eof
-    real_fill = upstream.UpstreamStream._fill
+    real_on_read = upstream.UpstreamStream.on_read
 
     async def write(self, data):
         counts["write"] += 1
@@ -957,13 +957,13 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
         counts["write"] += bool(data)
         await real_eof(self, data)
 
-    async def fill(self):
+    def on_read(self, conn):  # one call per network read from the miner
         counts["read"] += 1
-        await real_fill(self)
+        real_on_read(self, conn)
 
     monkeypatch.setattr(server._EventStream, "write", write)
     monkeypatch.setattr(server._EventStream, "write_eof", write_eof)
-    monkeypatch.setattr(upstream.UpstreamStream, "_fill", fill)
+    monkeypatch.setattr(upstream.UpstreamStream, "on_read", on_read)
     m = await make_miner(Script("ok", tokens=8, token_delay=0.02))  # tokens 1..7 arrive in reads of their own
     h = await make_gateway([m])
     async with h.chat(body(max_tokens=8, stream_options={"include_usage": True})) as r:
@@ -972,24 +972,6 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
     # 12 frames (role, 8 tokens, finish, usage, [DONE]): role+token 0 share a write, as do usage+[DONE]
     # (with token 7 and the finish when they came in the same read); a write per frame would be 12
     assert len(events) == 12 and 1 <= counts["write"] <= min(10, counts["read"])
-
-
-async def test_a_capped_connection_pool_is_reported(alice):
-    """Streams queued for a pooled connection would be on the miner's TTFT clock: say so at startup."""
-    from loguru import logger
-
-    from gateway.measurement import MeasurementQueue
-    from gateway.upstream import Upstream
-
-    seen: list[str] = []
-    sink_id = logger.add(lambda msg: seen.append(str(msg)), level="WARNING")
-    try:
-        for limit in (0, 7):
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit)) as s:
-                Upstream(s, RequestSigner(alice), MeasurementQueue())
-    finally:
-        logger.remove(sink_id)
-    assert len(seen) == 1 and "caps connections at 7" in seen[0]
 
 
 async def test_slot_count_advertised_by_the_miner_reaches_the_router(make_sim_miner, make_gateway):

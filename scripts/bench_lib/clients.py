@@ -4,6 +4,12 @@ TTFT is the time from sending the request to the first SSE frame that carries no
 ``delta.content`` (a role-only prelude does not count); total is the time to ``data: [DONE]``.
 One ``ClientSession`` per level, keep-alive on, explicit timeouts.
 
+``stagger_s`` starts each worker after a seeded random offset in ``[0, stagger_s)``: with a fixed-schedule
+upstream every request lasts the same time, so workers that start together stay in lockstep forever
+and every request arrives in a burst of ``concurrency``; offsets over one request's duration give the
+steady state of that many independent streams instead. ``sign`` adds per-request headers (btauth)
+before the clock starts.
+
 Example::
 
     res = asyncio.run(run_level("http://127.0.0.1:8000/v1/chat/completions", concurrency=16,
@@ -15,10 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+
+Signer = Callable[[str, bytes], dict[str, str]]  # (url, body) -> extra headers for this one request
 
 
 def chat_body(max_tokens: int, model: str = "bench") -> bytes:
@@ -82,8 +92,10 @@ def _has_content(payload: bytes) -> bool:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
-                      expect_tokens: int | None = None) -> Sample:
+                      expect_tokens: int | None = None, sign: Signer | None = None) -> Sample:
     """Send one streamed request and time it; never raises."""
+    if sign is not None:
+        headers = {**headers, **sign(url, body)}
     t0 = time.perf_counter()
     ttft: float | None = None
     tokens = 0
@@ -118,7 +130,8 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: bytes, hea
 
 async def run_level(url: str | list[str], *, concurrency: int, requests: int, body: bytes,
                     headers: dict[str, str] | None = None, warmup: int = 0, expect_tokens: int | None = None,
-                    timeout_s: float = 60.0) -> LevelResult:
+                    timeout_s: float = 60.0, sign: Signer | None = None, stagger_s: float = 0.0,
+                    seed: int = 0) -> LevelResult:
     """``requests`` timed requests (after ``warmup`` untimed ones) with ``concurrency`` in flight at once.
 
     A list of URLs is used round-robin per request (the "direct" path spreads over every miner).
@@ -130,23 +143,29 @@ async def run_level(url: str | list[str], *, concurrency: int, requests: int, bo
     result = LevelResult(concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if warmup:
-            await _drive(session, urls, body, hdrs, min(concurrency, warmup), warmup, expect_tokens, None)
+            await _drive(session, urls, body, hdrs, min(concurrency, warmup), warmup, expect_tokens, None, sign)
+        rng = random.Random(seed)
+        offsets = [rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0 for _ in range(concurrency)]
         t0 = time.perf_counter()
-        await _drive(session, urls, body, hdrs, concurrency, requests, expect_tokens, result.samples)
+        await _drive(session, urls, body, hdrs, concurrency, requests, expect_tokens, result.samples, sign, offsets)
         result.wall_s = time.perf_counter() - t0
     return result
 
 
 async def _drive(session: aiohttp.ClientSession, urls: list[str], body: bytes, headers: dict[str, str],
-                 concurrency: int, requests: int, expect_tokens: int | None, out: list[Sample] | None) -> None:
+                 concurrency: int, requests: int, expect_tokens: int | None, out: list[Sample] | None,
+                 sign: Signer | None = None, offsets: list[float] | None = None) -> None:
     remaining = requests
 
-    async def worker() -> None:
+    async def worker(offset: float) -> None:
         nonlocal remaining
+        if offset > 0:
+            await asyncio.sleep(offset)
         while remaining > 0:
             remaining -= 1
-            s = await one_request(session, urls[remaining % len(urls)], body, headers, expect_tokens)
+            s = await one_request(session, urls[remaining % len(urls)], body, headers, expect_tokens, sign)
             if out is not None:
                 out.append(s)
 
-    await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, requests)))))
+    n = max(1, min(concurrency, requests))
+    await asyncio.gather(*(worker(offsets[i] if offsets else 0.0) for i in range(n)))

@@ -23,13 +23,13 @@ import random
 import sys
 from pathlib import Path
 
-import aiohttp
 from loguru import logger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_lib
 
 from bench_lib.fake_upstream import validator_keypair  # noqa: E402
 from gateway.measurement import MeasurementQueue  # noqa: E402
+from gateway.miner_http import MinerPool  # noqa: E402
 from gateway.router import Candidate, Router  # noqa: E402
 from gateway.server import Gateway, GatewayConfig  # noqa: E402
 from gateway.signing import RequestSigner  # noqa: E402
@@ -53,9 +53,8 @@ async def serve(candidates: list[Candidate], key: str, models: list[str], seed: 
     sink = MeasurementQueue()
     drained = 0
     cfg = GatewayConfig.from_sources(port=0, keys=[key], models=models, env={})
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
-        gw = Gateway(cfg, router, Upstream(session, RequestSigner(validator_keypair()), sink))
+    async with MinerPool() as pool:
+        gw = Gateway(cfg, router, Upstream(pool, RequestSigner(validator_keypair()), sink))
         await gw.start()
         try:
             print("READY " + json.dumps({"port": gw.port, "pid": os.getpid()}), flush=True)

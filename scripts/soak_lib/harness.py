@@ -29,6 +29,7 @@ from bittensor.sp_core import Keypair
 from loguru import logger
 
 from gateway.measurement import Measurement
+from gateway.miner_http import MinerPool
 from gateway.router import Candidate, Router
 from gateway.server import Gateway, GatewayConfig
 from gateway.signing import RequestSigner
@@ -184,7 +185,8 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         router.sync([Candidate(uid=m.uid, hotkey=m.key.ss58_address, endpoint=m.endpoint, slots=slots[m.uid])
                      for m in miners])
         sink = TimeScaledSink(scorer, scale, taps=(tap,))
-        upstream = Upstream(session, RequestSigner(vkey), sink, timeouts=scaled_timeouts(UpstreamTimeouts(), scale))
+        pool = await stack.enter_async_context(MinerPool())
+        upstream = Upstream(pool, RequestSigner(vkey), sink, timeouts=scaled_timeouts(UpstreamTimeouts(), scale))
         if router_kind in ("project", "slots"):  # as neurons.validator wires it: slots from X-Miner-Slots
             upstream.on_slots = router.learn_slots
         gw = Gateway(GatewayConfig.from_sources(port=0, keys=[API_KEY], models=[MODEL], max_retries=2,

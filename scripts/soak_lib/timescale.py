@@ -21,7 +21,7 @@ card itself slept, in simulated ms) so a reader can tell card behaviour from har
 Example::
 
     sink = TimeScaledSink(scorer, scale=20.0)
-    upstream = Upstream(session, signer, sink)     # the scorer sees simulated seconds
+    upstream = Upstream(pool, signer, sink)     # the scorer sees simulated seconds
 """
 
 from __future__ import annotations
