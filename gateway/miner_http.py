@@ -162,11 +162,12 @@ class MinerConnection(asyncio.Protocol):
         self._notify()
 
     def eof_received(self) -> bool:
-        if self._parser is not None and not self.complete and self.head_done:
-            try:
-                self._parser.feed_data(b"")  # a read-to-close body ends here
-            except httptools.HttpParserError:
-                pass
+        h = self.headers
+        if self.head_done and not self.complete and self.error is None and "content-length" not in h \
+                and "chunked" not in h.get("transfer-encoding", "").lower():
+            self.complete = True  # a read-to-close body ends here (llhttp is never told of EOF)
+            self.keep_alive = False
+            self._notify()
         return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
