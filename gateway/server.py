@@ -10,7 +10,10 @@ request at once and frees the miner's slot.
 
 The relay writes once per miner read, not once per chunk: frames decoded from one read (and the
 headers with the first of them, the usage chunk and ``[DONE]`` with the last) leave in one ``write``,
-each content frame built from cached bytes (:class:`gateway.sse.ChunkFramer`).
+each content frame built from cached bytes (:class:`gateway.sse.ChunkFramer`). Once the first write is
+out, an HTTP/1.1 stream is *pushed*: each miner read is framed and written to the client's socket from
+the read callback itself (one chunked-encoding frame per read), with no task switch per token; a client
+that falls behind (more than :data:`PUSH_HIGH_WATER` unsent) is served by the awaited path instead.
 
 Example::
 
@@ -23,9 +26,10 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -52,6 +56,12 @@ from .sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
 
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
+PUSH_HIGH_WATER = 64 * 1024  # bytes unsent to a client before its stream leaves the push path
+_IDS = random.Random()  # response ids need to be unique, not secret: no urandom syscall per request
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-{_IDS.getrandbits(128):032x}"
 
 
 class _EventStream(web.StreamResponse):
@@ -269,9 +279,13 @@ class Gateway:
             "X-Accel-Buffering": "no",
             self.config.served_by_header: str(stream.uid),
         })
-        out = ChunkFramer(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model)
+        out = ChunkFramer(_completion_id(), int(time.time()), req.model)
         parts: list[bytes] = []
         self._frames(out, head, parts, first=True, stream=stream)
+        transport = request.transport
+        push = request.version >= (1, 1) and transport is not None
+        if push:
+            resp.enable_chunked_encoding()  # the pushed frames are chunks of our own making
         try:
             await resp.prepare(request)
             try:
@@ -279,6 +293,11 @@ class Gateway:
                     if parts and not stream.ready:  # about to wait on the miner: send what we have
                         await resp.write(b"".join(parts))
                         parts.clear()
+                        if push and transport is not None:
+                            push = False  # once: after it, the rest is the awaited path
+                            stream.push_to(lambda batch: self._push(transport, out, batch, stream, parts))
+                            await stream.wait_push()
+                            stream.push_to(None)
                     batch = await stream.next_batch()
                     if not batch:
                         break
@@ -298,6 +317,26 @@ class Gateway:
             self.outcomes["client_disconnect"] += 1
             stream.close()
         return resp
+
+    def _push(self, transport: asyncio.BaseTransport, out: ChunkFramer, batch: list[ChunkInfo],
+              stream: UpstreamStream, tail: list[bytes]) -> bool:
+        """Write one read's frames as one HTTP chunk, from the miner's read callback; False: stop pushing.
+
+        The read that ended the stream is not written here: its frames go to ``tail``, to leave with
+        the closing frames (usage, ``[DONE]`` or the error event) in the relay's last write.
+        """
+        assert isinstance(transport, asyncio.WriteTransport)
+        if stream.finished:
+            self._frames(out, batch, tail)
+            return True
+        if transport.is_closing():
+            return False  # the client is gone: the handler is being cancelled
+        parts: list[bytes] = []
+        self._frames(out, batch, parts)
+        if parts:
+            data = b"".join(parts)
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return transport.get_write_buffer_size() <= PUSH_HIGH_WATER
 
     def _frames(self, out: ChunkFramer, chunks: list[ChunkInfo], parts: list[bytes], *, first: bool = False,
                 stream: UpstreamStream | None = None) -> None:
@@ -327,7 +366,7 @@ class Gateway:
         while batch := await stream.next_batch():  # UpstreamError: the caller tries another miner
             parts += [ch.content for ch in batch]
         body = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "id": _completion_id(),
             "object": "chat.completion",
             "created": int(time.time()),
             "model": req.model,

@@ -27,7 +27,11 @@ Example::
     m = await up.probe(lease, payload)          # the same code path, consumed to the end
 
 A relay that writes once per network read uses ``await stream.next_batch()`` (every chunk decoded
-from one read; ``[]`` at the end) and ``stream.ready`` (True when the next call will not wait).
+from one read; ``[]`` at the end) and ``stream.ready`` (True when the next call will not wait). A relay
+that has already sent its first bytes can go further with ``stream.push_to(sink)``: from then on each
+read's chunks go to ``sink(chunks)`` inside the read callback itself (no task switch per token), and
+``await stream.wait_push()`` returns when the stream ended or the sink said it is full (returned
+False: its client is behind); ``next_batch`` then carries on with whatever came after.
 """
 
 from __future__ import annotations
@@ -227,6 +231,7 @@ class UpstreamStream:
         self._waiter: asyncio.Future[None] | None = None  # the consumer waiting for the next read
         self._conn: MinerConnection | None = None
         self._streaming = False  # the head was accepted: reads are parsed as they arrive
+        self._push: Callable[[list[ChunkInfo]], bool] | None = None
         self._pending: deque[ChunkInfo] = deque()
         self._error: UpstreamError | None = None
         self._last_event = self.t0
@@ -397,6 +402,20 @@ class UpstreamStream:
             self._conn.resume_reading()
         return batch
 
+    def push_to(self, sink: Callable[[list[ChunkInfo]], bool] | None) -> None:
+        """Hand each later read's chunks to ``sink`` as they are parsed; ``None`` goes back to ``next_batch``.
+
+        ``sink`` returns False when it can take no more: pushing stops and later chunks wait for
+        ``next_batch`` (reading from the miner pauses once they pile up). Chunks already waiting are not
+        pushed: take them with ``next_batch`` first.
+        """
+        self._push = sink
+
+    async def wait_push(self) -> None:
+        """While pushing, wait until the stream ended (failures included) or the sink said it is full."""
+        while self._push is not None and self.measurement is None:
+            await self._fill()
+
     @property
     def ready(self) -> bool:
         """True when the next ``next_batch``/``__anext__`` returns or raises without waiting on the miner."""
@@ -456,7 +475,16 @@ class UpstreamStream:
         """Called by the connection after every network read: parse and measure now, then wake the consumer."""
         if conn is self._conn and self._streaming and self.measurement is None:
             self._consume(conn)
-            if len(self._pending) > PAUSE_CHUNKS and self.measurement is None:
+            push = self._push
+            if push is not None and self._pending:
+                batch = list(self._pending)
+                self._pending.clear()
+                if not push(batch):
+                    self._push = None  # the sink is full: the relay drains its client, then pushes again
+                    self._wake()
+                if self.measurement is None:
+                    return  # nothing for a waiting consumer: it waits for the end (or the sink being full)
+            elif len(self._pending) > PAUSE_CHUNKS and self.measurement is None:
                 conn.pause_reading()  # the consumer (a slow client) is behind: TCP pushes back on the miner
         self._wake()
 

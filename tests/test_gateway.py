@@ -961,6 +961,14 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
         counts["read"] += 1
         real_on_read(self, conn)
 
+    real_push = server.Gateway._push
+
+    def push(self, transport, out, batch, stream, tail):  # a write straight from the read callback
+        counts["write"] += not stream.finished  # the last read's frames join the closing write instead
+        counts["push"] += 1
+        return real_push(self, transport, out, batch, stream, tail)
+
+    monkeypatch.setattr(server.Gateway, "_push", push)
     monkeypatch.setattr(server._EventStream, "write", write)
     monkeypatch.setattr(server._EventStream, "write_eof", write_eof)
     monkeypatch.setattr(upstream.UpstreamStream, "on_read", on_read)
@@ -972,6 +980,49 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
     # 12 frames (role, 8 tokens, finish, usage, [DONE]): role+token 0 share a write, as do usage+[DONE]
     # (with token 7 and the finish when they came in the same read); a write per frame would be 12
     assert len(events) == 12 and 1 <= counts["write"] <= min(10, counts["read"])
+    assert counts["push"] >= 5  # after the first write, tokens were pushed from the read callback
+
+
+async def test_a_client_that_falls_behind_leaves_the_push_path_and_loses_nothing(make_miner, make_gateway,
+                                                                                monkeypatch):
+    from gateway import server
+
+    pushes = Counter()
+    real_push = server.Gateway._push
+
+    def push(self, transport, out, batch, stream, tail):
+        pushes["n"] += 1
+        return real_push(self, transport, out, batch, stream, tail)
+
+    monkeypatch.setattr(server.Gateway, "_push", push)
+    monkeypatch.setattr(server, "PUSH_HIGH_WATER", -1)  # every push finds the client "behind"
+    m = await make_miner(Script("ok", tokens=12, token_delay=0.01))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=12)) as r:
+        events = await read_sse(r)
+    assert pushes["n"] == 1  # one push, then the awaited path for the rest
+    assert contents(events) == [m.token(i) for i in range(12)] and events[-1] == "[DONE]"
+    assert h.measurements()[-1].ok
+
+
+async def test_http10_client_gets_a_whole_stream_without_chunk_framing(make_miner, make_gateway):
+    """HTTP/1.0 has no chunked encoding: the push path (which writes chunks) is not used for it."""
+    m = await make_miner(Script("ok", tokens=6, token_delay=0.01))
+    h = await make_gateway([m])
+    raw = json.dumps(body(max_tokens=6)).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", h.gateway.port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nAuthorization: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (h.auth["Authorization"].encode(), len(raw), raw))
+        answer = await asyncio.wait_for(reader.read(), 10.0)  # HTTP/1.0: the body ends when the gateway closes
+    finally:
+        writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+    events = [line[6:].decode() for line in payload.split(b"\n") if line.startswith(b"data: ")]
+    assert all(line.startswith(b"data: ") for line in payload.split(b"\n") if line)  # no chunk sizes between
+    parsed = [json.loads(e) if e != "[DONE]" else e for e in events]
+    assert contents(parsed) == [m.token(i) for i in range(6)] and parsed[-1] == "[DONE]"
 
 
 async def test_slot_count_advertised_by_the_miner_reaches_the_router(make_sim_miner, make_gateway):

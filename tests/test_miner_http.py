@@ -68,10 +68,13 @@ class Collector:
         self.body = bytearray()
         self.reads = 0
         self.done = asyncio.Event()
+        self.got_body = asyncio.Event()
 
     def on_read(self, conn: MinerConnection) -> None:
         self.reads += 1
         self.body += conn.take_body()
+        if self.body:
+            self.got_body.set()
         if conn.complete or conn.error is not None:
             self.done.set()
 
@@ -189,8 +192,7 @@ async def test_released_mid_response_drains_then_parks_or_times_out(raw_server):
         conn = await pool.connect(srv.endpoint, connect_timeout=2.0)
         c = Collector()
         conn.send(request(srv.endpoint), c)
-        while not c.body:
-            await asyncio.sleep(0.005)
+        await asyncio.wait_for(c.got_body.wait(), 5.0)
         pool.release(conn)  # the caller is done before the HTTP message ended
         assert pool.idle_count() == 0 and not conn.closed
         release_end.set()
@@ -204,8 +206,7 @@ async def test_released_mid_response_drains_then_parks_or_times_out(raw_server):
         conn = await pool.connect(srv.endpoint, connect_timeout=2.0)
         c = Collector()
         conn.send(request(srv.endpoint), c)
-        while not c.body:
-            await asyncio.sleep(0.005)
+        await asyncio.wait_for(c.got_body.wait(), 5.0)
         pool.release(conn)
         await asyncio.sleep(0.5)  # the end never comes: the drain timeout closes it
         assert conn.closed and pool.idle_count() == 0
@@ -276,5 +277,6 @@ async def test_upstream_retries_a_stale_pooled_connection_once_on_a_fresh_one(ra
                 router.release(lease)
             assert m.ok and m.completion_tokens == 3
         assert pool.opened == 2 and srv.connections == 2 and len(sink.drain()) == 2
-        nonces = {line for r in srv.requests for line in r.split(b"\r\n") if line.lower().startswith(b"x-bittensor-nonce")}
+        nonces = {line for r in srv.requests for line in r.split(b"\r\n")
+                  if line.lower().startswith(b"x-bittensor-nonce")}
         assert len(srv.requests) == 3 and len(nonces) == 3  # the resent request carries a fresh signature
