@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 from loguru import logger
@@ -62,6 +62,14 @@ _IDS = random.Random()  # response ids need to be unique, not secret: no urandom
 
 def _completion_id() -> str:
     return f"chatcmpl-{_IDS.getrandbits(128):032x}"
+
+
+class _RelayStart(NamedTuple):
+    """What a streamed answer needs that does not depend on the miner's first token."""
+
+    resp: _EventStream
+    out: ChunkFramer
+    push: bool  # HTTP/1.1: frames may be pushed from the miner's read callback
 
 
 class _EventStream(web.StreamResponse):
@@ -242,14 +250,16 @@ class Gateway:
                     failures.append(e)
                     continue
                 async with stream:
+                    # built while the miner prefills, so only framing and the write follow its first token
+                    start = self._relay_start(request, req, stream) if req.stream else None
                     try:
                         head = await _until_content(stream)
                     except UpstreamError as e:
                         failures.append(e)
                         continue
-                    if req.stream:
+                    if start is not None:
                         # committed: the client sees bytes from here on, so no other miner may follow
-                        resp = await self._relay(request, req, stream, head)
+                        resp = await self._relay(request, req, stream, head, start)
                     else:
                         try:  # the client sees nothing until the whole answer is in: a failure can retry
                             resp = await self._assemble(req, stream, head)
@@ -271,21 +281,24 @@ class Gateway:
         prompt = (stream.usage or {}).get("prompt_tokens", req.prompt_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": stream.tokens, "total_tokens": prompt + stream.tokens}
 
-    async def _relay(self, request: web.Request, req: ChatRequest, stream: UpstreamStream,
-                     head: list[ChunkInfo]) -> web.StreamResponse:
+    def _relay_start(self, request: web.Request, req: ChatRequest, stream: UpstreamStream) -> _RelayStart:
         resp = _EventStream(status=200, headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
             self.config.served_by_header: str(stream.uid),
         })
-        out = ChunkFramer(_completion_id(), int(time.time()), req.model)
+        push = request.version >= (1, 1) and request.transport is not None
+        if push:
+            resp.enable_chunked_encoding()  # the pushed frames are chunks of our own making
+        return _RelayStart(resp, ChunkFramer(_completion_id(), int(time.time()), req.model), push)
+
+    async def _relay(self, request: web.Request, req: ChatRequest, stream: UpstreamStream,
+                     head: list[ChunkInfo], start: _RelayStart) -> web.StreamResponse:
+        resp, out, push = start
         parts: list[bytes] = []
         self._frames(out, head, parts, first=True, stream=stream)
         transport = request.transport
-        push = request.version >= (1, 1) and transport is not None
-        if push:
-            resp.enable_chunked_encoding()  # the pushed frames are chunks of our own making
         try:
             await resp.prepare(request)
             try:

@@ -286,12 +286,12 @@ class UpstreamStream:
                 self._up._pool.release(self._conn)  # reused once its response has ended cleanly
             else:
                 self._conn.close()  # frees the miner's slot now, not when the socket times out
-        self._wake()
         if failure is not None and failure != CLIENT_DISCONNECT:
             self._error = UpstreamError(failure, m, status=status, after_content=self.content_started,
                                         detail=detail)
             logger.debug("uid {} {}{}", self.uid, failure, f" ({detail})" if detail else "")
         self._up._record(m)
+        self._wake()
         return m
 
     def _decode_concurrency(self) -> float | None:
@@ -310,11 +310,10 @@ class UpstreamStream:
     async def _connect(self) -> None:
         miner = self.lease.miner
         try:
-            conn = await self._send(reused_ok=True)
-            if conn.error is not None and not conn.head_done and conn.uses > 1 \
-                    and not isinstance(conn.error, MinerHTTPError):
+            conn, reused = await self._send(reused_ok=True)
+            if reused and conn.error is not None and not conn.head_done and not isinstance(conn.error, MinerHTTPError):
                 conn.close()  # a pooled connection the miner had already closed: once more on a fresh one
-                conn = await self._send(reused_ok=False)
+                conn, _ = await self._send(reused_ok=False)
             if not conn.head_done:
                 if isinstance(conn.error, MinerHTTPError):
                     raise self._fail(FAIL_GARBAGE, detail=f"bad HTTP response: {conn.error}")
@@ -343,8 +342,8 @@ class UpstreamStream:
             self._finish(CLIENT_DISCONNECT)
             raise
 
-    async def _send(self, *, reused_ok: bool) -> MinerConnection:
-        """Sign and write the request; return once the head arrived, the connection failed, or raise."""
+    async def _send(self, *, reused_ok: bool) -> tuple[MinerConnection, bool]:
+        """Sign and write the request; return (connection, reused) once the head arrived or it failed."""
         miner = self.lease.miner
         tmo = self._tmo
         try:
@@ -354,6 +353,7 @@ class UpstreamStream:
         except (OSError, TimeoutError, ValueError) as e:
             raise self._fail(FAIL_CONNECT, detail=type(e).__name__) from None
         self._conn = conn
+        reused = conn.uses > 0
         headers = self._up._signer.sign(path=PATH, body=self._body, receiver_ss58=miner.hotkey)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
@@ -361,14 +361,14 @@ class UpstreamStream:
             conn.send(encode_request("POST", PATH, miner.endpoint, headers, self._body), self)
         except ConnectionError as e:
             conn.error = e
-            return conn
+            return conn, reused
         if self._timer is None:
             self._timer = self._loop.call_at(self._next_deadline(), self._on_deadline)
         while not conn.head_done and conn.error is None:
             if self._loop.time() >= self._next_deadline():
                 raise self._fail(FAIL_TIMEOUT, detail="no response headers before the first-token deadline")
             await self._wait()
-        return conn
+        return conn, reused
 
     # -- streaming -------------------------------------------------------------------------------
 

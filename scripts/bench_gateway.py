@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,16,64,256", help="comma list of concurrent streams")
     p.add_argument("--requests", type=int, default=0, help="timed requests per level (0: max(100, 8*concurrency))")
     p.add_argument("--warmup", type=int, default=16, help="untimed requests per path and level first")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="repetitions per level, paths interleaved in each; samples pooled (tames noisy p99s)")
     p.add_argument("--ports", type=int, default=4, help="fake miner ports")
     p.add_argument("--ttft-ms", type=float, default=50.0, help="fake miner delay before the first token")
     p.add_argument("--tokens", type=int, default=16, help="tokens per completion")
@@ -204,17 +206,29 @@ def measure(a: argparse.Namespace, paths: dict[str, Path_]) -> list[Row]:
     proxies = [p for p in paths.values() if p.pid]
     try:
         for c in a.levels:
-            for name in ALL_PATHS:
-                path = paths.get(name)
-                if path is not None:
-                    # Only the path under test may run: an idle LiteLLM still burns CPU on 2 cores.
-                    for other in proxies:
-                        _signal_tree(other.pid, signal.SIGCONT if other is path else signal.SIGSTOP)
-                    rows.append(_measure_one(a, path, c, body))
+            merged: dict[str, Row] = {}
+            for rep in range(a.repeat):  # paths interleaved within each repetition: drift hits them alike
+                for name in ALL_PATHS:
+                    path = paths.get(name)
+                    if path is not None:
+                        # Only the path under test may run: an idle LiteLLM still burns CPU on 2 cores.
+                        for other in proxies:
+                            _signal_tree(other.pid, signal.SIGCONT if other is path else signal.SIGSTOP)
+                        row = _measure_one(a, path, c, body, seed=c * 1000 + rep)
+                        merged[name] = _pooled(merged[name], row) if name in merged else row
+            rows.extend(merged.values())
     finally:
         for other in proxies:
             _signal_tree(other.pid, signal.SIGCONT)
     return rows
+
+
+def _pooled(a: Row, b: Row) -> Row:
+    """Two repetitions of one path and level as one row: samples pooled, CPU and wall time summed."""
+    res = LevelResult(a.concurrency, a.result.samples + b.result.samples, a.result.wall_s + b.result.wall_s)
+    cpu = None if a.cpu_s is None or b.cpu_s is None else a.cpu_s + b.cpu_s
+    rss = None if a.peak_rss is None or b.peak_rss is None else max(a.peak_rss, b.peak_rss)
+    return Row(a.path, a.concurrency, res, cpu, rss)
 
 
 def _signal_tree(pid: int | None, sig: int) -> None:
@@ -225,7 +239,7 @@ def _signal_tree(pid: int | None, sig: int) -> None:
             pass
 
 
-def _measure_one(a: argparse.Namespace, path: Path_, c: int, body: bytes) -> Row:
+def _measure_one(a: argparse.Namespace, path: Path_, c: int, body: bytes, *, seed: int) -> Row:
     n = a.requests or max(100, 8 * c)
     name = path.name
     pids = tree(path.pid) if path.pid else []
@@ -235,7 +249,7 @@ def _measure_one(a: argparse.Namespace, path: Path_, c: int, body: bytes) -> Row
     stagger_s = (a.ttft_ms + (a.tokens - 1) * a.interval_ms) / 1000.0 if a.arrivals == "staggered" else 0.0
     cpu0 = cpu_seconds(pids) if pids else None
     res = asyncio.run(run_level(path.urls, concurrency=c, requests=n, body=body, headers=path.headers,
-                                expect_tokens=a.tokens, sign=path.sign, stagger_s=stagger_s, seed=c))
+                                expect_tokens=a.tokens, sign=path.sign, stagger_s=stagger_s, seed=seed))
     cpu = cpu_seconds(pids) - cpu0 if cpu0 is not None else None
     rss = peak_rss_bytes(tree(path.pid)) if path.pid else None
     err = f"  first error: {res.first_error()}" if res.errors else ""
