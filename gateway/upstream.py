@@ -480,7 +480,7 @@ class UpstreamStream:
                 batch = list(self._pending)
                 self._pending.clear()
                 if not push(batch):
-                    self._push = None  # the sink is full: the relay drains its client, then pushes again
+                    self._push = None  # the sink is full: the relay carries on with awaited writes
                     self._wake()
                 if self.measurement is None:
                     return  # nothing for a waiting consumer: it waits for the end (or the sink being full)
