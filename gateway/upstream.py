@@ -453,6 +453,8 @@ class UpstreamStream:
         if self._loop.time() >= self._next_deadline():
             self._timed_out()
             return
+        if self._conn is not None:
+            self._conn.resume_reading()  # everything queued was taken: read from the miner again
         await self._wait()
         if not self._pending and not self.finished and self._loop.time() >= self._next_deadline():
             self._timed_out()
@@ -484,8 +486,6 @@ class UpstreamStream:
                     self._wake()
                 if self.measurement is None:
                     return  # nothing for a waiting consumer: it waits for the end (or the sink being full)
-            elif len(self._pending) > PAUSE_CHUNKS and self.measurement is None:
-                conn.pause_reading()  # the consumer (a slow client) is behind: TCP pushes back on the miner
         self._wake()
 
     def _consume(self, conn: MinerConnection) -> None:
@@ -506,6 +506,8 @@ class UpstreamStream:
                 self._fail(FAIL_DROPPED, detail=type(conn.error).__name__)
         elif conn.complete:
             self._on_eof()
+        elif len(self._pending) > PAUSE_CHUNKS and self._push is None:
+            conn.pause_reading()  # the consumer (a slow client) is behind: TCP pushes back on the miner
 
     def _on_event(self, data: str) -> bool:
         """Handle one event; False when the stream ended (done or failed)."""

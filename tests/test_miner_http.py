@@ -280,3 +280,51 @@ async def test_upstream_retries_a_stale_pooled_connection_once_on_a_fresh_one(ra
         nonces = {line for r in srv.requests for line in r.split(b"\r\n")
                   if line.lower().startswith(b"x-bittensor-nonce")}
         assert len(srv.requests) == 3 and len(nonces) == 3  # the resent request carries a fresh signature
+
+
+async def test_a_consumer_that_falls_behind_pauses_reading_and_loses_nothing(raw_server, alice):
+    """Chunks pile up past PAUSE_CHUNKS while nobody reads: TCP pushes back on the miner, then all arrive."""
+    from gateway import upstream as up_mod
+    from gateway.measurement import MeasurementQueue
+    from gateway.router import Candidate, Router
+    from gateway.signing import RequestSigner
+    from gateway.upstream import Upstream
+    from tests.fakes import body
+
+    n = up_mod.PAUSE_CHUNKS + 500
+    finish = asyncio.Event()
+
+    async def handler(reader, writer, _):
+        frames = sse_answer(n).partition(b"\r\n\r\n")[2].split(b"\n\n")[:-1]
+        body_now = b"".join(f + b"\n\n" for f in frames[:-2])  # every token, but not the finish and [DONE]
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"%x\r\n%s\r\n" % (len(body_now), body_now))
+        await writer.drain()
+        await finish.wait()
+        rest = b"".join(f + b"\n\n" for f in frames[-2:])
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(rest), rest))
+        await writer.drain()
+        return True
+
+    srv = await raw_server(handler)
+    router = Router()
+    router.sync([Candidate(uid=1, hotkey=alice.ss58_address, endpoint=srv.endpoint)])
+    async with MinerPool() as pool:
+        up = Upstream(pool, RequestSigner(alice), MeasurementQueue())
+        lease = router.acquire()
+        assert lease is not None
+        try:
+            async with await up.open(lease, body(max_tokens=n + 10)) as stream:
+                conn = stream._conn
+                assert conn is not None
+                for _ in range(200):  # bounded: the miner's bytes arrive within a few reads
+                    if conn._paused:
+                        break
+                    await asyncio.sleep(0.005)
+                assert conn._paused and not stream.finished  # nobody read, so reading stopped
+                finish.set()
+                got = [ch.content async for ch in stream if ch.content]
+                assert not conn._paused
+        finally:
+            router.release(lease)
+        assert got == [f"t{i} " for i in range(n)] and stream.ok
