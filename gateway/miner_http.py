@@ -80,7 +80,7 @@ class MinerConnection(asyncio.Protocol):
         self._head_bytes = 0
         self._paused = False
         self._header_items: list[tuple[bytes, bytes]] = []
-        self.uses = 0  # requests sent on this connection; > 1 means it came from the pool
+        self.uses = 0  # requests sent on this connection: handed out with uses > 0, it came from the pool
         self.idle_since = 0.0
         self.closed = False
         self._reset()
@@ -103,6 +103,7 @@ class MinerConnection(asyncio.Protocol):
         if self._transport is None or self.closed:
             raise ConnectionResetError("connection is closed")
         self._reset()
+        self.resume_reading()  # a new response is read whatever the last consumer left behind
         self._listener = listener
         self._parser = httptools.HttpResponseParser(self)
         self.uses += 1
