@@ -17,7 +17,8 @@ proxies not under test are SIGSTOPped meanwhile (an idle LiteLLM keeps burning C
 Run from the repo root after ``pip install -e '.[test]'``::
 
     .venv/bin/python scripts/bench_gateway.py --smoke          # seconds: tiny numbers, prints the tables
-    .venv/bin/python scripts/bench_gateway.py --install        # full run; installs nginx / LiteLLM if missing
+    .venv/bin/python scripts/bench_gateway.py --install --repeat 3   # full run; installs nginx / LiteLLM if missing
+    .venv/bin/python scripts/bench_gateway.py --arrivals lockstep --concurrency 64   # every request in one burst
     .venv/bin/python scripts/bench_gateway.py --paths direct,gateway --concurrency 1,64
 
 Arrivals: ``--arrivals staggered`` (default) starts each client worker at a seeded random offset within
