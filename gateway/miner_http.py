@@ -222,9 +222,10 @@ class MinerConnection(asyncio.Protocol):
 class MinerPool:
     """Keep-alive connections per miner endpoint, most recently used first.
 
-    ``idle_timeout``: an idle connection older than this is closed instead of reused (servers close
-    idle keep-alive connections on their own clock: uvicorn after 5 s, aiohttp after 75 s, so a reused
-    connection can still be found dead; the dispatcher retries that case once on a fresh one).
+    ``idle_timeout``: an idle connection older than this is closed, not reused; a sweep runs that often
+    while any connection is idle, so a miner no longer routed to keeps no socket open. Servers also
+    close idle keep-alive connections on their own clock (uvicorn after 5 s, aiohttp after 75 s), so a
+    reused connection can still be found dead: the dispatcher retries that case once on a fresh one.
     """
 
     def __init__(self, *, max_idle_per_miner: int = 64, idle_timeout: float = 15.0,
@@ -236,6 +237,7 @@ class MinerPool:
         self._draining_conns: set[MinerConnection] = set()
         self._all: set[MinerConnection] = set()
         self.opened = 0  # connections opened over the pool's life, for tests and benchmarks
+        self._sweeper: asyncio.TimerHandle | None = None  # closes idle connections nobody came back for
 
     async def connect(self, endpoint: str, *, connect_timeout: float, fresh: bool = False) -> MinerConnection:
         """A pooled idle connection to ``endpoint`` (unless ``fresh``), else a new one.
@@ -281,6 +283,9 @@ class MinerPool:
         return sum(len(q) for q in self._idle.values())
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for conn in list(self._all):
             conn.close()
         self._idle.clear()
@@ -314,6 +319,18 @@ class MinerPool:
             return
         conn.idle_since = time.monotonic()
         idle.append(conn)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(self.idle_timeout, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections idle longer than ``idle_timeout`` (a miner no longer routed to keeps none)."""
+        self._sweeper = None
+        cutoff = time.monotonic() - self.idle_timeout
+        for idle in list(self._idle.values()):
+            for conn in [c for c in idle if c.idle_since <= cutoff]:
+                conn.close()
+        if any(self._idle.values()):
+            self._sweeper = asyncio.get_running_loop().call_later(self.idle_timeout, self._sweep)
 
     def _forget(self, conn: MinerConnection) -> None:
         self._all.discard(conn)
