@@ -92,6 +92,7 @@ class MinerConnection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.error: BaseException | None = None
+        self._interim = False
         self._body.clear()
         self._head_bytes = 0
         self._header_items.clear()
@@ -188,7 +189,12 @@ class MinerConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         assert self._parser is not None
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self._header_items.clear()  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            self._interim = True
+            return
+        self.status = status
         self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self._header_items}
         self._header_items.clear()
         self.head_done = True
@@ -199,6 +205,9 @@ class MinerConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self._parser is not None
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self.keep_alive = bool(self._parser.should_keep_alive())
 

@@ -111,6 +111,20 @@ async def test_content_length_response_and_keep_alive_reuse(raw_server):
         assert conn.uses == 3 and pool.idle_count(srv.endpoint) == 1
 
 
+async def test_interim_1xx_answers_are_skipped(raw_server):
+    async def handler(reader, writer, n):
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        await ok_length(b"final")(reader, writer, n)
+        return True
+
+    srv = await raw_server(handler)
+    async with MinerPool() as pool:
+        conn, c = await roundtrip(pool, srv.endpoint)
+        assert conn.status == 200 and "link" not in conn.headers and bytes(c.body) == b"final" and conn.keep_alive
+
+
 async def test_chunked_body_over_several_reads_is_decoded(raw_server):
     async def handler(reader, writer, n):
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
