@@ -235,7 +235,6 @@ class UpstreamStream:
         self._pending: deque[ChunkInfo] = deque()
         self._error: UpstreamError | None = None
         self._last_event = self.t0
-        self.headers: dict[str, str] = {}
         self.tokens = 0
         self.ttft_s: float | None = None
         self._last_content = self.t0
@@ -318,7 +317,6 @@ class UpstreamStream:
                 if isinstance(conn.error, MinerHTTPError):
                     raise self._fail(FAIL_GARBAGE, detail=f"bad HTTP response: {conn.error}")
                 raise self._fail(FAIL_CONNECT, detail=type(conn.error).__name__)
-            self.headers = conn.headers
             advertised = conn.headers.get(SLOTS_HEADER)
             if advertised is not None and self._up.on_slots is not None and advertised.isdigit():
                 self._up.on_slots(miner, int(advertised))
@@ -398,8 +396,6 @@ class UpstreamStream:
             await self._fill()
         batch = list(self._pending)
         self._pending.clear()
-        if self._conn is not None:
-            self._conn.resume_reading()
         return batch
 
     def push_to(self, sink: Callable[[list[ChunkInfo]], bool] | None) -> None:
