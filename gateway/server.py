@@ -69,7 +69,7 @@ class _RelayStart(NamedTuple):
 
     resp: _EventStream
     out: ChunkFramer
-    push: bool  # HTTP/1.1: frames may be pushed from the miner's read callback
+    push: asyncio.Transport | None  # HTTP/1.1: the client socket frames may be pushed to from the read callback
 
 
 class _EventStream(web.StreamResponse):
@@ -288,8 +288,8 @@ class Gateway:
             "X-Accel-Buffering": "no",
             self.config.served_by_header: str(stream.uid),
         })
-        push = request.version >= (1, 1) and request.transport is not None
-        if push:
+        push = request.transport if request.version >= (1, 1) else None
+        if push is not None:
             resp.enable_chunked_encoding()  # the pushed frames are chunks of our own making
         return _RelayStart(resp, ChunkFramer(_completion_id(), int(time.time()), req.model), push)
 
@@ -298,7 +298,6 @@ class Gateway:
         resp, out, push = start
         parts: list[bytes] = []
         self._frames(out, head, parts, first=True, stream=stream)
-        transport = request.transport
         try:
             await resp.prepare(request)
             try:
@@ -306,9 +305,9 @@ class Gateway:
                     if parts and not stream.ready:  # about to wait on the miner: send what we have
                         await resp.write(b"".join(parts))
                         parts.clear()
-                        if push and transport is not None:
-                            push = False  # once: after it, the rest is the awaited path
-                            stream.push_to(lambda batch: self._push(transport, out, batch, stream, parts))
+                        if push is not None:
+                            transport, push = push, None  # once: after it, the rest is the awaited path
+                            stream.push_to(lambda batch, t=transport: self._push(t, out, batch, stream, parts))
                             await stream.wait_push()
                             stream.push_to(None)
                     batch = await stream.next_batch()
@@ -331,14 +330,13 @@ class Gateway:
             stream.close()
         return resp
 
-    def _push(self, transport: asyncio.BaseTransport, out: ChunkFramer, batch: list[ChunkInfo],
+    def _push(self, transport: asyncio.Transport, out: ChunkFramer, batch: list[ChunkInfo],
               stream: UpstreamStream, tail: list[bytes]) -> bool:
         """Write one read's frames as one HTTP chunk, from the miner's read callback; False: stop pushing.
 
         The read that ended the stream is not written here: its frames go to ``tail``, to leave with
         the closing frames (usage, ``[DONE]`` or the error event) in the relay's last write.
         """
-        assert isinstance(transport, asyncio.WriteTransport)
         if stream.finished:
             self._frames(out, batch, tail)
             return True
