@@ -28,7 +28,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, cast
 
 import httptools
 
@@ -141,8 +141,8 @@ class MinerConnection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # a stream transport, though not necessarily an asyncio.Transport subclass (uvloop's is not)
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self._parser is None or self.complete:
