@@ -8,16 +8,13 @@ Example::
     err = bad_request("must be a positive integer", param="max_tokens")
     err.status          # 400
     err.body()          # {"error": {"message": ..., "type": "invalid_request_error", "param": "max_tokens", ...}}
-    raise err           # the server's middleware turns it into a JSON response
+    raise err           # the gateway answers it as JSON, with err.status and err.headers
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
-
-from aiohttp import web
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -50,14 +47,6 @@ class GatewayError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-    def response(self) -> web.Response:
-        return web.Response(
-            status=self.status,
-            text=json.dumps(self.body()),
-            content_type="application/json",
-            headers=self.headers,
-        )
 
 
 def error_body(message: str, *, type: str = INVALID_REQUEST, param: str | None = None,

@@ -5,15 +5,15 @@ first content chunk has arrived nothing is sent to the client, so a miner that i
 slow to start or broken is released and another is tried (``exclude`` = the miners tried), up to
 ``max_retries`` times. From the first content chunk on, the request belongs to that miner: a
 failure ends the stream with an error event and ``[DONE]`` — never a hang, never a second miner's
-tokens spliced in. Handler cancellation is on, so a client that disconnects cancels the upstream
-request at once and frees the miner's slot.
+tokens spliced in. A client that disconnects cancels its handler (:mod:`gateway.http_server`), so the
+upstream request is cancelled at once and the miner's slot freed.
 
 The relay writes once per miner read, not once per chunk: frames decoded from one read (and the
 headers with the first of them, the usage chunk and ``[DONE]`` with the last) leave in one ``write``,
 each content frame built from cached bytes (:class:`gateway.sse.ChunkFramer`). Once the first write is
-out, an HTTP/1.1 stream is *pushed*: each miner read is framed and written to the client's socket from
-the read callback itself (one chunked-encoding frame per read), with no task switch per token; a client
-that falls behind (more than :data:`PUSH_HIGH_WATER` unsent) is served by the awaited path instead.
+out, the stream is *pushed*: each miner read is framed and written to the client's socket from the read
+callback itself (one HTTP chunk per read), with no task switch per token; a client that falls behind
+(more than :data:`PUSH_HIGH_WATER` unsent) is served by the awaited path instead.
 
 Example::
 
@@ -26,7 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import time
@@ -36,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from aiohttp import web
 from loguru import logger
 
 from .auth import ApiKeyAuth, load_key_hashes
@@ -46,9 +44,9 @@ from .errors import (
     gateway_timeout,
     invalid_json,
     no_capacity,
-    payload_too_large,
     unauthorized,
 )
+from .http_server import HttpServer, Request, Response
 from .measurement import FAIL_BUSY, FAIL_TIMEOUT
 from .openai_schema import ChatRequest, SchemaLimits, parse_chat_request
 from .router import Router
@@ -67,19 +65,8 @@ def _completion_id() -> str:
 class _RelayStart(NamedTuple):
     """What a streamed answer needs that does not depend on the miner's first token."""
 
-    resp: _EventStream
+    headers: dict[str, str]
     out: ChunkFramer
-    push: asyncio.Transport | None  # HTTP/1.1: the client socket frames may be pushed to from the read callback
-
-
-class _EventStream(web.StreamResponse):
-    """A streamed response whose headers leave with its first body write (one packet, not two).
-
-    aiohttp buffers the headers of a ``web.Response`` this way; for a ``StreamResponse`` it is opt-in
-    through this class attribute. Without it (another aiohttp) the headers are just sent on prepare.
-    """
-
-    _send_headers_immediately = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +76,7 @@ class GatewayConfig:
     api_key_hashes: frozenset[str] = frozenset()
     models: tuple[str, ...] = DEFAULT_MODELS
     max_body_bytes: int = 1 << 20
+    keepalive_timeout: float = 75.0  # an idle client connection is closed after this long
     max_retries: int = 2  # extra miners tried before the client has seen a byte
     default_max_tokens: int = 256
     max_tokens_cap: int = 4096
@@ -115,6 +103,9 @@ class GatewayConfig:
         return cls(api_key_hashes=hashes, **kwargs)
 
 
+Route = Callable[[Request, Response], Awaitable[None]]
+
+
 class Gateway:
     """Serves ``/v1/chat/completions``, ``/v1/models``, ``/v1/status`` and ``/health``."""
 
@@ -126,70 +117,68 @@ class Gateway:
         self.limits = SchemaLimits(models=tuple(config.models), default_max_tokens=config.default_max_tokens,
                                    max_tokens_cap=config.max_tokens_cap)
         self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
-        self._runner: web.AppRunner | None = None
-        self._port: int | None = None
+        self._routes: dict[str, dict[str, Route]] = {
+            "/v1/chat/completions": {"POST": self._chat},
+            "/v1/models": {"GET": self._models},
+            "/v1/status": {"GET": self._status},
+            "/health": {"GET": self._health},
+        }
+        self._server: HttpServer | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=self.config.max_body_bytes + 1)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/status", self._status)
-        app.router.add_get("/health", self._health)
-        return app
-
     async def start(self) -> None:
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                               shutdown_timeout=self.config.shutdown_timeout)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port)
-        await site.start()
-        self._runner = runner
-        self._port = int(runner.addresses[0][1])
-        logger.info("gateway listening on http://{}:{}", self.config.host, self._port)
+        server = HttpServer(self._handle, host=self.config.host, port=self.config.port,
+                            max_body_bytes=self.config.max_body_bytes,
+                            keepalive_timeout=self.config.keepalive_timeout,
+                            shutdown_timeout=self.config.shutdown_timeout)
+        await server.start()
+        self._server = server
+        logger.info("gateway listening on http://{}:{}", self.config.host, server.port)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
 
     @property
     def port(self) -> int:
-        if self._port is None:
+        if self._server is None:
             raise RuntimeError("gateway not started")
-        return self._port
+        return self._server.port
 
-    # -- middleware and small routes -------------------------------------------------------------
+    # -- routing and small routes ----------------------------------------------------------------
 
-    @web.middleware
-    async def _errors(self, request: web.Request,
-                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def _handle(self, request: Request, resp: Response) -> None:
+        """Route by path and method; a refusal (``GatewayError``) becomes its OpenAI-shaped JSON answer."""
         try:
-            return await handler(request)
+            methods = self._routes.get(request.path)
+            if methods is None:
+                raise GatewayError(404, "Not Found", code="not_found")
+            route = methods.get("GET" if request.method == "HEAD" else request.method)
+            if route is None:
+                allow = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
+                raise GatewayError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": allow})
+            await route(request, resp)
         except GatewayError as e:
-            self.outcomes[str(e.status)] += 1
-            return e.response()
-        except web.HTTPException as e:
-            if e.status < 400:
+            if resp.started:  # refusals all come before the first byte; this would be a bug
                 raise
-            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
-            return GatewayError(e.status, e.reason, code=code).response()
+            self.outcomes[str(e.status)] += 1
+            resp.send_json(e.status, e.body(), headers=e.headers)
 
-    def _authorize(self, request: web.Request) -> None:
-        if not self.auth.check(request.headers.get("Authorization")):
+    def _authorize(self, request: Request) -> None:
+        if not self.auth.check(request.headers.get("authorization")):
             raise unauthorized()
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "miners": len(self.router),
-                                  "in_flight": self.router.total_in_flight()})
+    async def _health(self, request: Request, resp: Response) -> None:
+        resp.send_json(200, {"status": "ok", "miners": len(self.router), "in_flight": self.router.total_in_flight()})
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, request: Request, resp: Response) -> None:
         self._authorize(request)
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "tensorgate"} for m in self.config.models]
-        return web.json_response({"object": "list", "data": data})
+        resp.send_json(200, {"object": "list", "data": data})
 
-    async def _status(self, request: web.Request) -> web.Response:
+    async def _status(self, request: Request, resp: Response) -> None:
         self._authorize(request)
         miners = []
         for m in self.router.miners():
@@ -207,33 +196,21 @@ class Gateway:
                 "failures": dict(st.failures) if st else {},
                 "ttft_p50_s": st.ttft_p50() if st else None,
             })
-        return web.json_response({"in_flight": self.router.total_in_flight(), "dispatched": self.upstream.dispatched,
-                                  "outcomes": dict(self.outcomes), "miners": miners})
+        resp.send_json(200, {"in_flight": self.router.total_in_flight(), "dispatched": self.upstream.dispatched,
+                             "outcomes": dict(self.outcomes), "miners": miners})
 
     # -- chat completions ------------------------------------------------------------------------
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise payload_too_large(limit)
-        buf = bytearray()
-        async for part in request.content.iter_chunked(64 * 1024):
-            buf += part
-            if len(buf) > limit:
-                raise payload_too_large(limit)
-        return bytes(buf)
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        self._authorize(request)
-        raw = await self._read_body(request)
+    async def _chat(self, request: Request, resp: Response) -> None:
+        self._authorize(request)  # the body is already read, within max_body_bytes (else the server said 413)
         try:
-            body = json.loads(raw)
+            body = json.loads(request.body)
         except (ValueError, RecursionError):
             raise invalid_json() from None
         req = parse_chat_request(body, self.limits)
-        return await self._dispatch(request, req)
+        await self._dispatch(resp, req)
 
-    async def _dispatch(self, request: web.Request, req: ChatRequest) -> web.StreamResponse:
+    async def _dispatch(self, resp: Response, req: ChatRequest) -> None:
         payload = req.upstream_payload()
         tried: set[int] = set()
         failures: list[UpstreamError] = []
@@ -251,7 +228,7 @@ class Gateway:
                     continue
                 async with stream:
                     # built while the miner prefills, so only framing and the write follow its first token
-                    start = self._relay_start(request, req, stream) if req.stream else None
+                    start = self._relay_start(req, stream) if req.stream else None
                     try:
                         head = await _until_content(stream)
                     except UpstreamError as e:
@@ -259,15 +236,15 @@ class Gateway:
                         continue
                     if start is not None:
                         # committed: the client sees bytes from here on, so no other miner may follow
-                        resp = await self._relay(request, req, stream, head, start)
+                        await self._relay(resp, req, stream, head, start)
                     else:
                         try:  # the client sees nothing until the whole answer is in: a failure can retry
-                            resp = await self._assemble(req, stream, head)
+                            await self._assemble(resp, req, stream, head)
                         except UpstreamError as e:
                             failures.append(e)
                             continue
                     served = stream.ok
-                    return resp
+                    return
             finally:
                 self.router.release(lease, served=served)
         raise _exhausted(failures)
@@ -281,33 +258,31 @@ class Gateway:
         prompt = (stream.usage or {}).get("prompt_tokens", req.prompt_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": stream.tokens, "total_tokens": prompt + stream.tokens}
 
-    def _relay_start(self, request: web.Request, req: ChatRequest, stream: UpstreamStream) -> _RelayStart:
-        resp = _EventStream(status=200, headers={
+    def _relay_start(self, req: ChatRequest, stream: UpstreamStream) -> _RelayStart:
+        headers = {
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
             self.config.served_by_header: str(stream.uid),
-        })
-        push = request.transport if request.version >= (1, 1) else None
-        if push is not None:
-            resp.enable_chunked_encoding()  # the pushed frames are chunks of our own making
-        return _RelayStart(resp, ChunkFramer(_completion_id(), int(time.time()), req.model), push)
+        }
+        return _RelayStart(headers, ChunkFramer(_completion_id(), int(time.time()), req.model))
 
-    async def _relay(self, request: web.Request, req: ChatRequest, stream: UpstreamStream,
-                     head: list[ChunkInfo], start: _RelayStart) -> web.StreamResponse:
-        resp, out, push = start
+    async def _relay(self, resp: Response, req: ChatRequest, stream: UpstreamStream,
+                     head: list[ChunkInfo], start: _RelayStart) -> None:
+        out = start.out
         parts: list[bytes] = []
         self._frames(out, head, parts, first=True, stream=stream)
         try:
-            await resp.prepare(request)
             try:
                 while True:
                     if parts and not stream.ready:  # about to wait on the miner: send what we have
-                        await resp.write(b"".join(parts))
+                        data = b"".join(parts)
                         parts.clear()
-                        if push is not None:
-                            transport, push = push, None  # once: after it, the rest is the awaited path
-                            stream.push_to(lambda batch, t=transport: self._push(t, out, batch, stream, parts))
+                        if resp.started:
+                            await resp.write(data)
+                        else:  # the head leaves with the first frames; from then on each read is pushed
+                            resp.start(200, start.headers, data)
+                            stream.push_to(lambda batch: self._push(resp, out, batch, stream, parts))
                             await stream.wait_push()
                             stream.push_to(None)
                     batch = await stream.next_batch()
@@ -317,21 +292,28 @@ class Gateway:
             except UpstreamError as e:
                 self.outcomes["stream_error"] += 1
                 parts += (frame(_mid_stream_error(e).body()), DONE_FRAME)
-                await resp.write_eof(b"".join(parts))
-                return resp
+                self._end(resp, start, parts)
+                return
             if req.include_usage:
                 parts.append(out.usage(self._usage(req, stream)))
             parts.append(DONE_FRAME)
-            await resp.write_eof(b"".join(parts))
+            self._end(resp, start, parts)
             self.outcomes["200"] += 1
         except ConnectionError:
             # the client went away; closing the stream cancels the miner request (client_disconnect)
             self.outcomes["client_disconnect"] += 1
             stream.close()
-        return resp
 
-    def _push(self, transport: asyncio.Transport, out: ChunkFramer, batch: list[ChunkInfo],
-              stream: UpstreamStream, tail: list[bytes]) -> bool:
+    @staticmethod
+    def _end(resp: Response, start: _RelayStart, parts: list[bytes]) -> None:
+        if resp.started:
+            resp.end(b"".join(parts))
+        else:  # the whole answer came before the first write: head, frames and end in one go
+            resp.start(200, start.headers, b"".join(parts))
+            resp.end()
+
+    def _push(self, resp: Response, out: ChunkFramer, batch: list[ChunkInfo], stream: UpstreamStream,
+              tail: list[bytes]) -> bool:
         """Write one read's frames as one HTTP chunk, from the miner's read callback; False: stop pushing.
 
         The read that ended the stream is not written here: its frames go to ``tail``, to leave with
@@ -340,14 +322,11 @@ class Gateway:
         if stream.finished:
             self._frames(out, batch, tail)
             return True
-        if transport.is_closing():
-            return False  # the client is gone: the handler is being cancelled
+        if resp.client_gone:
+            return False  # the handler is being cancelled
         parts: list[bytes] = []
         self._frames(out, batch, parts)
-        if parts:
-            data = b"".join(parts)
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-        return transport.get_write_buffer_size() <= PUSH_HIGH_WATER
+        return resp.push(b"".join(parts)) <= PUSH_HIGH_WATER
 
     def _frames(self, out: ChunkFramer, chunks: list[ChunkInfo], parts: list[bytes], *, first: bool = False,
                 stream: UpstreamStream | None = None) -> None:
@@ -372,7 +351,8 @@ class Gateway:
             else:
                 parts.append(frame(out.chunk(delta, ch.finish_reason)))
 
-    async def _assemble(self, req: ChatRequest, stream: UpstreamStream, head: list[ChunkInfo]) -> web.Response:
+    async def _assemble(self, resp: Response, req: ChatRequest, stream: UpstreamStream,
+                        head: list[ChunkInfo]) -> None:
         parts = [ch.content for ch in head]
         while batch := await stream.next_batch():  # UpstreamError: the caller tries another miner
             parts += [ch.content for ch in batch]
@@ -387,7 +367,7 @@ class Gateway:
             "tensorgate": self._served_by(stream),
         }
         self.outcomes["200"] += 1
-        return web.json_response(body, headers={self.config.served_by_header: str(stream.uid)})
+        resp.send_json(200, body, headers={self.config.served_by_header: str(stream.uid)})
 
 
 async def _until_content(stream: UpstreamStream) -> list[ChunkInfo]:

@@ -943,19 +943,24 @@ async def test_relayed_frames_are_the_openai_shape(make_miner, make_gateway):
 
 async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway, monkeypatch):
     """Headers go out with the first frame, usage and ``[DONE]`` with the last: never a write per chunk."""
-    from gateway import server, upstream
+    from gateway import http_server, server, upstream
 
     counts = Counter()
-    real_write, real_eof = server._EventStream.write, server._EventStream.write_eof
+    Resp = http_server.Response
+    real_start, real_write, real_end = Resp.start, Resp.write, Resp.end
     real_on_read = upstream.UpstreamStream.on_read
+
+    def start(self, status, headers, first=b""):
+        counts["write"] += 1
+        real_start(self, status, headers, first)
 
     async def write(self, data):
         counts["write"] += 1
         await real_write(self, data)
 
-    async def write_eof(self, data=b""):
+    def end(self, data=b""):
         counts["write"] += bool(data)
-        await real_eof(self, data)
+        real_end(self, data)
 
     def on_read(self, conn):  # one call per network read from the miner
         counts["read"] += 1
@@ -963,14 +968,15 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
 
     real_push = server.Gateway._push
 
-    def push(self, transport, out, batch, stream, tail):  # a write straight from the read callback
+    def push(self, resp, out, batch, stream, tail):  # a write straight from the read callback
         counts["write"] += not stream.finished  # the last read's frames join the closing write instead
         counts["push"] += 1
-        return real_push(self, transport, out, batch, stream, tail)
+        return real_push(self, resp, out, batch, stream, tail)
 
     monkeypatch.setattr(server.Gateway, "_push", push)
-    monkeypatch.setattr(server._EventStream, "write", write)
-    monkeypatch.setattr(server._EventStream, "write_eof", write_eof)
+    monkeypatch.setattr(Resp, "start", start)
+    monkeypatch.setattr(Resp, "write", write)
+    monkeypatch.setattr(Resp, "end", end)
     monkeypatch.setattr(upstream.UpstreamStream, "on_read", on_read)
     m = await make_miner(Script("ok", tokens=8, token_delay=0.02))  # tokens 1..7 arrive in reads of their own
     h = await make_gateway([m])
@@ -990,9 +996,9 @@ async def test_a_client_that_falls_behind_leaves_the_push_path_and_loses_nothing
     pushes = Counter()
     real_push = server.Gateway._push
 
-    def push(self, transport, out, batch, stream, tail):
+    def push(self, resp, out, batch, stream, tail):
         pushes["n"] += 1
-        return real_push(self, transport, out, batch, stream, tail)
+        return real_push(self, resp, out, batch, stream, tail)
 
     monkeypatch.setattr(server.Gateway, "_push", push)
     monkeypatch.setattr(server, "PUSH_HIGH_WATER", -1)  # every push finds the client "behind"
@@ -1006,7 +1012,7 @@ async def test_a_client_that_falls_behind_leaves_the_push_path_and_loses_nothing
 
 
 async def test_http10_client_gets_a_whole_stream_without_chunk_framing(make_miner, make_gateway):
-    """HTTP/1.0 has no chunked encoding: the push path (which writes chunks) is not used for it."""
+    """HTTP/1.0 has no chunked encoding: the stream is close-delimited, its frames written bare."""
     m = await make_miner(Script("ok", tokens=6, token_delay=0.01))
     h = await make_gateway([m])
     raw = json.dumps(body(max_tokens=6)).encode()
