@@ -143,10 +143,14 @@ class Response:
         self._begin()
         self._conn.write(head + self._frame(first))
 
-    def push(self, data: bytes) -> int:
-        """Write now, from any callback (no waiting); returns the bytes the client has not taken yet."""
+    def push(self, data: bytes) -> None:
+        """Write now, from any callback (no waiting); see :attr:`unsent` for how far behind the client is."""
         if data:
             self._conn.write(self._frame(data))
+
+    @property
+    def unsent(self) -> int:
+        """Bytes written but not yet taken by the client's socket."""
         return self._conn.buffered()
 
     async def write(self, data: bytes) -> None:

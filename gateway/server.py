@@ -227,22 +227,14 @@ class Gateway:
                     failures.append(e)
                     continue
                 async with stream:
-                    # built while the miner prefills, so only framing and the write follow its first token
-                    start = self._relay_start(req, stream) if req.stream else None
                     try:
-                        head = await _until_content(stream)
-                    except UpstreamError as e:
+                        if req.stream:
+                            await self._relay(resp, req, stream)
+                        else:  # the client sees nothing until the whole answer is in
+                            await self._assemble(resp, req, stream)
+                    except UpstreamError as e:  # raised only while the client has seen no byte: try another
                         failures.append(e)
                         continue
-                    if start is not None:
-                        # committed: the client sees bytes from here on, so no other miner may follow
-                        await self._relay(resp, req, stream, head, start)
-                    else:
-                        try:  # the client sees nothing until the whole answer is in: a failure can retry
-                            await self._assemble(resp, req, stream, head)
-                        except UpstreamError as e:
-                            failures.append(e)
-                            continue
                     served = stream.ok
                     return
             finally:
@@ -267,24 +259,48 @@ class Gateway:
         }
         return _RelayStart(headers, ChunkFramer(_completion_id(), int(time.time()), req.model))
 
-    async def _relay(self, resp: Response, req: ChatRequest, stream: UpstreamStream,
-                     head: list[ChunkInfo], start: _RelayStart) -> None:
+    async def _relay(self, resp: Response, req: ChatRequest, stream: UpstreamStream) -> None:
+        """Stream the answer; raises UpstreamError only while the client has seen nothing (try another miner).
+
+        Reads before the first content are kept in ``head``. The read that brings it starts the answer
+        from the read callback itself, and every later read is pushed the same way, until the stream
+        ends or the client falls behind; the awaited loop below carries on from there.
+        """
+        start = self._relay_start(req, stream)  # built while the miner prefills
         out = start.out
+        head: list[ChunkInfo] = []
         parts: list[bytes] = []
-        self._frames(out, head, parts, first=True, stream=stream)
+
+        def sink(batch: list[ChunkInfo]) -> bool:
+            if resp.started:
+                return self._push(resp, out, batch, stream, parts)
+            head.extend(batch)
+            if resp.client_gone:
+                return False
+            if stream.finished or not _has_content(batch):
+                return True  # no content yet, or the stream ended in this read: the handler goes on below
+            self._frames(out, head, parts, first=True, stream=stream)  # committed: no other miner may follow
+            head.clear()
+            resp.start(200, start.headers, b"".join(parts))
+            parts.clear()
+            return resp.unsent <= PUSH_HIGH_WATER
+
+        stream.push_to(sink)
+        await stream.wait_push()
+        stream.push_to(None)
+        if not resp.started:  # it ended before a write: take what it sent up to its first content
+            while not _has_content(head):
+                batch = await stream.next_batch()  # raises when it failed before any: another miner is tried
+                if not batch:
+                    break
+                head += batch
+            self._frames(out, head, parts, first=True, stream=stream)  # committed: content came
         try:
             try:
                 while True:
                     if parts and not stream.ready:  # about to wait on the miner: send what we have
-                        data = b"".join(parts)
+                        await resp.write(b"".join(parts))
                         parts.clear()
-                        if resp.started:
-                            await resp.write(data)
-                        else:  # the head leaves with the first frames; from then on each read is pushed
-                            resp.start(200, start.headers, data)
-                            stream.push_to(lambda batch: self._push(resp, out, batch, stream, parts))
-                            await stream.wait_push()
-                            stream.push_to(None)
                     batch = await stream.next_batch()
                     if not batch:
                         break
@@ -326,7 +342,8 @@ class Gateway:
             return False  # the handler is being cancelled
         parts: list[bytes] = []
         self._frames(out, batch, parts)
-        return resp.push(b"".join(parts)) <= PUSH_HIGH_WATER
+        resp.push(b"".join(parts))
+        return resp.unsent <= PUSH_HIGH_WATER
 
     def _frames(self, out: ChunkFramer, chunks: list[ChunkInfo], parts: list[bytes], *, first: bool = False,
                 stream: UpstreamStream | None = None) -> None:
@@ -351,9 +368,8 @@ class Gateway:
             else:
                 parts.append(frame(out.chunk(delta, ch.finish_reason)))
 
-    async def _assemble(self, resp: Response, req: ChatRequest, stream: UpstreamStream,
-                        head: list[ChunkInfo]) -> None:
-        parts = [ch.content for ch in head]
+    async def _assemble(self, resp: Response, req: ChatRequest, stream: UpstreamStream) -> None:
+        parts: list[str] = []
         while batch := await stream.next_batch():  # UpstreamError: the caller tries another miner
             parts += [ch.content for ch in batch]
         body = {
@@ -370,14 +386,9 @@ class Gateway:
         resp.send_json(200, body, headers={self.config.served_by_header: str(stream.uid)})
 
 
-async def _until_content(stream: UpstreamStream) -> list[ChunkInfo]:
-    """Chunks up to the read that brought the first content or finish; nothing is sent before it."""
-    head: list[ChunkInfo] = []
-    while batch := await stream.next_batch():
-        head += batch
-        if any(ch.content or ch.finish_reason is not None for ch in batch):
-            break
-    return head
+def _has_content(chunks: list[ChunkInfo]) -> bool:
+    """Whether these chunks commit a stream to its miner: nothing is sent before content (or a finish)."""
+    return any(ch.content or ch.finish_reason is not None for ch in chunks)
 
 
 def _exhausted(failures: list[UpstreamError]) -> GatewayError:

@@ -402,10 +402,16 @@ class UpstreamStream:
         """Hand each later read's chunks to ``sink`` as they are parsed; ``None`` goes back to ``next_batch``.
 
         ``sink`` returns False when it can take no more: pushing stops and later chunks wait for
-        ``next_batch`` (reading from the miner pauses once they pile up). Chunks already waiting are not
-        pushed: take them with ``next_batch`` first.
+        ``next_batch`` (reading from the miner pauses once they pile up). Chunks already waiting (they
+        came with the response head) go to ``sink`` at once, unless the stream has ended: then they are
+        left, with the ending, to ``next_batch``.
         """
         self._push = sink
+        if sink is not None and self._pending and self.measurement is None:
+            batch = list(self._pending)
+            self._pending.clear()
+            if not sink(batch):
+                self._push = None
 
     async def wait_push(self) -> None:
         """While pushing, wait until the stream ended (failures included) or the sink said it is full."""

@@ -71,6 +71,7 @@ class Script:
     after: int = 2  # for stall_after / drop_after
     token_delay: float = 0.0
     headers_delay: float = 0.0  # before response headers (ok behaviour)
+    first_token_delay: float = 0.0  # after the headers and role chunk, before the first token (prefill)
 
     def __post_init__(self) -> None:
         if self.behavior not in BEHAVIORS:
@@ -203,6 +204,8 @@ class FakeMiner(LoopbackMiner):
                 return resp
             if s.token_delay and i > 0:
                 await asyncio.sleep(s.token_delay)
+            elif s.first_token_delay and i == 0:
+                await asyncio.sleep(s.first_token_delay)
             await resp.write(chunk({"content": self.token(i)}))
             if s.behavior == "gated" and i == 0:
                 await self.gate.wait()

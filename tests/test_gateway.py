@@ -989,24 +989,59 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
     assert counts["push"] >= 5  # after the first write, tokens were pushed from the read callback
 
 
+async def test_the_first_token_is_written_from_the_miner_read_that_brought_it(make_miner, make_gateway,
+                                                                               monkeypatch):
+    """No task switch between the first token's arrival and its write: the answer starts in the read callback."""
+    from gateway import http_server, upstream
+
+    in_read = [False]
+    starts: list[bool] = []
+    real_on_read, real_start = upstream.UpstreamStream.on_read, http_server.Response.start
+
+    def on_read(self, conn):
+        in_read[0] = True
+        try:
+            real_on_read(self, conn)
+        finally:
+            in_read[0] = False
+
+    def start(self, status, headers, first=b""):
+        starts.append(in_read[0])
+        real_start(self, status, headers, first)
+
+    monkeypatch.setattr(upstream.UpstreamStream, "on_read", on_read)
+    monkeypatch.setattr(http_server.Response, "start", start)
+    m = await make_miner(Script("ok", tokens=4, first_token_delay=0.05, token_delay=0.01))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=4)) as r:
+        events = await read_sse(r)
+    assert contents(events) == [m.token(i) for i in range(4)]
+    assert starts == [True]
+
+
 async def test_a_client_that_falls_behind_leaves_the_push_path_and_loses_nothing(make_miner, make_gateway,
                                                                                 monkeypatch):
-    from gateway import server
+    from gateway import http_server, server
 
-    pushes = Counter()
-    real_push = server.Gateway._push
+    calls = Counter()
+    real_push, real_write = server.Gateway._push, http_server.Response.write
 
     def push(self, resp, out, batch, stream, tail):
-        pushes["n"] += 1
+        calls["push"] += 1
         return real_push(self, resp, out, batch, stream, tail)
 
+    async def write(self, data):
+        calls["write"] += 1
+        await real_write(self, data)
+
     monkeypatch.setattr(server.Gateway, "_push", push)
-    monkeypatch.setattr(server, "PUSH_HIGH_WATER", -1)  # every push finds the client "behind"
+    monkeypatch.setattr(http_server.Response, "write", write)
+    monkeypatch.setattr(server, "PUSH_HIGH_WATER", -1)  # the first write already finds the client "behind"
     m = await make_miner(Script("ok", tokens=12, token_delay=0.01))
     h = await make_gateway([m])
     async with h.chat(body(max_tokens=12)) as r:
         events = await read_sse(r)
-    assert pushes["n"] == 1  # one push, then the awaited path for the rest
+    assert calls["push"] == 0 and calls["write"] >= 5  # no push after the first write: the awaited path
     assert contents(events) == [m.token(i) for i in range(12)] and events[-1] == "[DONE]"
     assert h.measurements()[-1].ok
 
