@@ -9,6 +9,8 @@ proxies not under test are SIGSTOPped meanwhile (an idle LiteLLM keeps burning C
 * ``direct``  — straight to the fake miners (round-robin over the ports): the floor;
 * ``signed``  — direct too, but every request btauth-signed (before its clock starts) and verified by the
   miner, exactly the miner-side work a gateway request causes: the gateway's own floor;
+* ``pyrelay`` — a bare asyncio relay (``bench_lib/bare_relay.py``: httptools, pooled upstreams, each read
+  written back from the read callback, nothing else): the least any CPython asyncio proxy adds here;
 * ``nginx``   — Debian's nginx, ``least_conn``, ``proxy_buffering off``, keep-alive upstreams;
 * ``litellm`` — the LiteLLM proxy from PyPI (own venv in ``.bench/``), least-busy over the same ports;
 * ``gateway`` — this project's gateway in its own process, real routing, btauth signing (verified by
@@ -60,7 +62,7 @@ from bench_lib.stats import percentile, table, verdict  # noqa: E402
 from gateway.signing import RequestSigner  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ALL_PATHS = ("direct", "signed", "nginx", "litellm", "gateway")
+ALL_PATHS = ("direct", "signed", "pyrelay", "nginx", "litellm", "gateway")
 FLOORS = ("direct", "signed")
 TARGET_C = 64
 GATEWAY_KEY = "sk-bench-gateway"
@@ -125,7 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.warmup = min(a.warmup, 2)
         a.tokens, a.ttft_ms, a.interval_ms = 4, 10.0, 2.0
         if a.paths == p.get_default("paths"):
-            a.paths = "direct,signed,nginx,gateway"  # LiteLLM takes ~10 s to boot: ask for it explicitly
+            a.paths = "direct,signed,pyrelay,nginx,gateway"  # LiteLLM takes ~10 s to boot: ask for it explicitly
     a.path_list = [x.strip() for x in a.paths.split(",") if x.strip()]
     bad = set(a.path_list) - set(ALL_PATHS)
     if bad:
@@ -159,6 +161,11 @@ def start_paths(a: argparse.Namespace, stack: ExitStack, workdir: Path) -> tuple
         elif name == "signed":
             urls = [f"http://127.0.0.1:{p}{chat}" for p in ports]
             out[name] = Path_(name, urls, {}, None, sign=_btauth_signer(dict(zip(urls, info["hotkeys"], strict=True))))
+        elif name == "pyrelay":
+            argv = [py, str(HERE / "bench_lib" / "bare_relay.py"), "--ports", ",".join(map(str, ports))]
+            relay = stack.enter_context(Child(argv, name="pyrelay", log_path=workdir / "pyrelay.log"))
+            r = relay.wait_ready()
+            out[name] = Path_(name, [f"http://127.0.0.1:{r['port']}{chat}"], {}, relay.pid)
         elif name == "nginx":
             if peers.nginx_binary() is None and a.install:
                 peers.install_nginx()
@@ -300,9 +307,10 @@ def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | N
         g = own.get(("gateway", c))
         n = own.get(("nginx", c))
         ll = own.get(("litellm", c))
-        ratio_rows.append([c, _ratio(g, n), _ratio(ll, g)])
+        py = own.get(("pyrelay", c))
+        ratio_rows.append([c, _ratio(g, n), _ratio(ll, g), _ratio(py, n), _ratio(g, py)])
     print("\n== ratios of added TTFT p50 (floored at 0.05 ms so noise around zero cannot explode them) ==")
-    print(table(["conc", "gateway/nginx", "litellm/gateway"], ratio_rows))
+    print(table(["conc", "gateway/nginx", "litellm/gateway", "pyrelay/nginx", "gateway/pyrelay"], ratio_rows))
 
     checks: list[tuple[str, bool | None, str]] = []
     g = own.get(("gateway", TARGET_C))
@@ -322,7 +330,11 @@ def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | N
             checks.append(("gateway added <= 1.5x nginx", None, "nginx not measured"))
         else:
             r = _ratio(g, n)
-            checks.append(("gateway added <= 1.5x nginx", r <= 1.5, f"{g[0]:.2f} vs {n[0]:.2f} ms = {r:.1f}x"))
+            py = own.get(("pyrelay", TARGET_C))
+            floor_note = "" if py is None else (f"; a bare Python relay adds {py[0]:.2f} ms = "
+                                                f"{_ratio(py, n):.1f}x nginx")
+            checks.append(("gateway added <= 1.5x nginx", r <= 1.5,
+                           f"{g[0]:.2f} vs {n[0]:.2f} ms = {r:.1f}x{floor_note}"))
         if ll is None:
             checks.append(("litellm added >= 5x gateway", None, "LiteLLM not measured"))
         else:

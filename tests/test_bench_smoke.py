@@ -66,10 +66,10 @@ def test_memory_smoke_samples_rss() -> None:
 
 
 def test_gateway_smoke_compares_paths() -> None:
-    out = run_script("bench_gateway.py", "--smoke", "--paths", "direct,nginx,gateway")
+    out = run_script("bench_gateway.py", "--smoke", "--paths", "direct,pyrelay,nginx,gateway")
     rows = table_rows(out, "path")
     by = {(r[0], int(r[1])): r for r in rows}
-    for path in ("direct", "gateway"):
+    for path in ("direct", "pyrelay", "gateway"):
         for c in (1, 4):
             r = by[(path, c)]
             assert int(r[2]) == 12 and int(r[3]) == 0  # all 12 timed requests streamed completely
@@ -80,6 +80,6 @@ def test_gateway_smoke_compares_paths() -> None:
         assert g[6] != "-" and float(g[10]) > 0 and float(g[11]) > 10  # added TTFT, CPU/request, peak RSS
     if "[skip] nginx" not in out:
         assert ("nginx", 1) in by and ("nginx", 4) in by
-    assert "gateway/nginx" in out
+    assert "gateway/nginx" in out and "pyrelay/nginx" in out
     assert re.search(r"^PASS  btauth: fake miners verified (\d+) signed requests", out, re.M)
     assert "PASS  client errors: 0" in out
