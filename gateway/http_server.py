@@ -1,10 +1,11 @@
 """A small HTTP/1.1 server on ``httptools`` (llhttp): the gateway's front door, without a framework's cost.
 
 Why not aiohttp's web server: the gateway serves four routes and one streaming shape, and on its hot
-path a framework's per-request machinery (request object, middleware chain, response writer, a task
-per message) costs more than everything else the gateway does. Measured side by side on 2 vCPUs at
-64 streams, the same dumb relay added 0.68 ms p50 TTFT and 1.44 ms CPU per request through aiohttp's
-server, 0.29 ms and 0.90 ms on a bare asyncio protocol (``scripts/bench_gateway.py`` has the figures).
+path a framework's per-request machinery (request object, middleware chain, response writer) cost
+more than the gateway's own work. Measured side by side on 2 vCPUs at 64 streams (two runs), the same
+do-nothing relay added 0.68–0.80 ms p50 TTFT and 1.44 ms CPU per request behind aiohttp's server, and
+0.29–0.47 ms and 0.90 ms on a bare asyncio protocol (``scripts/bench_lib/bare_relay.py``). It also
+gives the relay a supported way to write from a read callback (:meth:`Response.push`).
 
 What it does, and nothing more:
 
