@@ -16,6 +16,8 @@ What it does, and nothing more:
   then the connection closes);
 * ``Expect: 100-continue`` answered once the body is acceptable (417 for any other expectation);
 * a connection idle for ``keepalive_timeout`` is closed (408 first if a request was half sent);
+* ``check_head`` can refuse a request from its head alone, before its body is read (the gateway's
+  API key check: an unauthenticated client cannot make it buffer a body);
 * a client that goes away cancels its handler at once (so the miner request is cancelled too);
 * writes are flow-controlled (:meth:`Response.write` waits while the client is behind);
 * :meth:`HttpServer.stop` stops accepting, lets running handlers finish for ``shutdown_timeout``,
@@ -44,7 +46,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any, cast
@@ -74,12 +76,17 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
-class _Refusal:
-    """A request the server answers itself (malformed, too big, ...), after which the connection closes."""
+class Refusal:
+    """A request answered without its body being read (malformed, too big, ...); the connection then closes."""
 
     status: int
     message: str
     code: str
+    type: str = "invalid_request_error"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+HeadCheck = Callable[[str, str, dict[str, str]], "Refusal | None"]
 
 
 def _date_header() -> bytes:
@@ -196,8 +203,10 @@ class HttpServer:
 
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
                  max_body_bytes: int = 1 << 20, max_head_bytes: int = 64 * 1024,
-                 keepalive_timeout: float = 75.0, shutdown_timeout: float = 5.0) -> None:
+                 keepalive_timeout: float = 75.0, shutdown_timeout: float = 5.0,
+                 check_head: HeadCheck | None = None) -> None:
         self.handler = handler
+        self.check_head = check_head  # (method, path, headers) once a head is in; a Refusal skips the body
         self.host = host
         self._port = port
         self.max_body_bytes = max_body_bytes
@@ -247,7 +256,7 @@ class _Connection(asyncio.Protocol):
         self.shutting_down = False
         self._transport: asyncio.Transport | None = None
         self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
-        self._queue: deque[Request | _Refusal] = deque()
+        self._queue: deque[Request | Refusal] = deque()
         self._paused_reading = False
         self._write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
@@ -320,6 +329,13 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self._parser is None:
             return
+        if self.server.check_head is not None:
+            url = httptools.parse_url(self._url) if self._url else None
+            path = (url.path or b"/").decode("latin-1") if url else "/"
+            refusal = self.server.check_head(self._parser.get_method().decode("latin-1"), path, self._headers)
+            if refusal is not None:
+                self._refuse_with(refusal)
+                return
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
             self._refuse(413, f"request body exceeds {self.server.max_body_bytes} bytes", "payload_too_large")
@@ -372,9 +388,12 @@ class _Connection(asyncio.Protocol):
             self._refuse(431, f"request head exceeds {self.server.max_head_bytes} bytes", "head_too_large")
 
     def _refuse(self, status: int, message: str, code: str) -> None:
+        self._refuse_with(Refusal(status, message, code))
+
+    def _refuse_with(self, refusal: Refusal) -> None:
         """Stop parsing; the refusal is answered after the answers ahead of it, then the connection closes."""
         self._parser = None
-        self._queue.append(_Refusal(status, message, code))
+        self._queue.append(refusal)
         self._next()
 
     def _next(self) -> None:
@@ -390,7 +409,7 @@ class _Connection(asyncio.Protocol):
         if self._paused_reading and len(self._queue) < MAX_QUEUED and self._transport is not None:
             self._paused_reading = False
             self._transport.resume_reading()
-        if isinstance(item, _Refusal):
+        if isinstance(item, Refusal):
             self._answer_refusal(item)
             return
         if self._idle is not None:
@@ -429,9 +448,9 @@ class _Connection(asyncio.Protocol):
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self._next()
 
-    def _answer_refusal(self, r: _Refusal) -> None:
-        body = json.dumps(error_body(r.message, code=r.code)).encode()
-        self.write(_head((1, 1), r.status, {"Content-Type": "application/json"},
+    def _answer_refusal(self, r: Refusal) -> None:
+        body = json.dumps(error_body(r.message, type=r.type, code=r.code)).encode()
+        self.write(_head((1, 1), r.status, {"Content-Type": "application/json", **r.headers},
                          b"Content-Length: %d\r\nConnection: close\r\n" % len(body)) + body)
         # keep reading (and dropping) for a moment: closing on unread input would reset the connection
         # and could destroy the answer before the client reads it

@@ -46,7 +46,7 @@ from .errors import (
     no_capacity,
     unauthorized,
 )
-from .http_server import HttpServer, Request, Response
+from .http_server import HttpServer, Refusal, Request, Response
 from .measurement import FAIL_BUSY, FAIL_TIMEOUT
 from .openai_schema import ChatRequest, SchemaLimits, parse_chat_request
 from .router import Router
@@ -131,7 +131,7 @@ class Gateway:
         server = HttpServer(self._handle, host=self.config.host, port=self.config.port,
                             max_body_bytes=self.config.max_body_bytes,
                             keepalive_timeout=self.config.keepalive_timeout,
-                            shutdown_timeout=self.config.shutdown_timeout)
+                            shutdown_timeout=self.config.shutdown_timeout, check_head=self._check_head)
         await server.start()
         self._server = server
         logger.info("gateway listening on http://{}:{}", self.config.host, server.port)
@@ -165,6 +165,14 @@ class Gateway:
                 raise
             self.outcomes[str(e.status)] += 1
             resp.send_json(e.status, e.body(), headers=e.headers)
+
+    def _check_head(self, method: str, path: str, headers: dict[str, str]) -> Refusal | None:
+        """A completion request without a valid API key is refused before its body is read."""
+        if path != "/v1/chat/completions" or self.auth.check(headers.get("authorization")):
+            return None
+        e = unauthorized()
+        self.outcomes[str(e.status)] += 1
+        return Refusal(e.status, e.message, e.code or "", type=e.type, headers=e.headers)
 
     def _authorize(self, request: Request) -> None:
         if not self.auth.check(request.headers.get("authorization")):

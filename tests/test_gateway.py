@@ -371,6 +371,10 @@ async def test_auth(make_miner, make_gateway):
         async with h.client.post(url, json=body(), headers=headers) as r:
             assert r.status == 401
             assert (await error_of(r))["code"] == "invalid_api_key"
+    # refused from the head, before the body is read: too big a body still gets 401, not 413
+    big = json.dumps(body(messages=[{"role": "user", "content": "x" * (2 << 20)}])).encode()
+    async with h.client.post(url, data=big, headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 401 and (await error_of(r))["code"] == "invalid_api_key"
     for path in ("/v1/models", "/v1/status"):
         async with h.client.get(h.base_url + path) as r:
             assert r.status == 401

@@ -114,6 +114,34 @@ async def test_bodies_over_the_cap_get_413_without_reaching_the_handler(serve):
     assert status == 200 and calls == ["/fits"]
 
 
+async def test_check_head_refuses_before_the_body_is_read(serve):
+    calls = []
+
+    async def h(req: Request, resp: Response) -> None:
+        calls.append(req.path)
+        resp.send(200, b"ok")
+
+    def check(method: str, path: str, headers: dict[str, str]) -> http_server.Refusal | None:
+        if path == "/locked" and headers.get("authorization") != "yes":
+            return http_server.Refusal(401, "no key", "invalid_api_key", type="authentication_error",
+                                       headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    s = await serve(h, check_head=check)
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+    try:  # the answer comes before any of the announced megabyte is sent
+        writer.write(b"POST /locked HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n")
+        (status, headers, body), = responses(await asyncio.wait_for(reader.read(), 5.0))
+    finally:
+        writer.close()
+    assert status == 401 and headers["www-authenticate"] == "Bearer" and headers["connection"] == "close"
+    assert json.loads(body)["error"] == {"message": "no key", "type": "authentication_error", "param": None,
+                                         "code": "invalid_api_key"}
+    keyed = post("/locked", b"x", b"Authorization: yes\r\nConnection: close\r\n")
+    (status, _, _), = responses(await talk(s.port, keyed))
+    assert status == 200 and calls == ["/locked"]
+
+
 async def test_expect_100_continue_is_answered_before_the_body_comes(serve):
     s = await serve(echo)
     reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
