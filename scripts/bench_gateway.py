@@ -29,6 +29,10 @@ starts them together, and since every request lasts exactly as long, every reque
 burst of ``concurrency`` (the worst case: each proxy's per-request work queues up at once). Every path
 at a level gets the same offsets.
 
+With ``--repeat`` of 2 or more, each path's added p50 is also taken within every repetition (where the paths
+ran back to back) and its median and range printed: drift between repetitions, such as other tenants of the
+VM, moves pooled figures but not these. The targets use the pooled figures.
+
 Targets checked at 64 concurrent streams: gateway added TTFT <= 1 ms p50 and <= 5 ms p99; gateway added
 latency <= 1.5x nginx's; LiteLLM's added latency >= 5x the gateway's. nginx and LiteLLM are measured
 over ``direct``; the gateway over ``signed`` when it was measured (its requests cost the miner a
@@ -44,11 +48,12 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import urllib.request
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,6 +71,7 @@ ALL_PATHS = ("direct", "signed", "pyrelay", "nginx", "litellm", "gateway")
 FLOORS = ("direct", "signed")
 TARGET_C = 64
 GATEWAY_KEY = "sk-bench-gateway"
+PAIRED_KEYS = ("path", "concurrency", "over", "median", "min", "max", "reps")
 
 
 @dataclass
@@ -86,6 +92,7 @@ class Row:
     result: LevelResult
     cpu_s: float | None
     peak_rss: int | None
+    rep_p50s: list[float] = field(default_factory=list)  # TTFT p50 of each repetition, in order
 
     def ttft(self, q: float) -> float:
         return percentile(self.result.ttfts_ms(), q)
@@ -236,7 +243,7 @@ def _pooled(a: Row, b: Row) -> Row:
     res = LevelResult(a.concurrency, a.result.samples + b.result.samples, a.result.wall_s + b.result.wall_s)
     cpu = None if a.cpu_s is None or b.cpu_s is None else a.cpu_s + b.cpu_s
     rss = None if a.peak_rss is None or b.peak_rss is None else max(a.peak_rss, b.peak_rss)
-    return Row(a.path, a.concurrency, res, cpu, rss)
+    return Row(a.path, a.concurrency, res, cpu, rss, a.rep_p50s + b.rep_p50s)
 
 
 def _signal_tree(pid: int | None, sig: int) -> None:
@@ -263,7 +270,7 @@ def _measure_one(a: argparse.Namespace, path: Path_, c: int, body: bytes, *, see
     err = f"  first error: {res.first_error()}" if res.errors else ""
     print(f"  {name:8s} c={c:<4d} n={len(res.samples):<5d} ok={len(res.ok):<5d} "
           f"ttft p50={percentile(res.ttfts_ms(), 50):7.2f} ms  rps={res.rps:7.1f}{err}", flush=True)
-    return Row(name, c, res, cpu, rss)
+    return Row(name, c, res, cpu, rss, [percentile(res.ttfts_ms(), 50)])
 
 
 def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | None, str]], dict]:
@@ -301,6 +308,19 @@ def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | N
         print(table(["conc", "+ttft p50", "+ttft p99", "over direct p50", "over direct p99", "btauth cost p50"],
                     own_rows))
     floor = "signed direct" if own_rows else "direct"
+
+    # Drift (other tenants of the VM, thermal, ...) moves whole repetitions: the same difference taken within
+    # each repetition, where the paths ran back to back, and its median, shows how much of a pooled figure is drift.
+    paired = []
+    for r in rows:
+        base = (signed if r.path == "gateway" and r.concurrency in signed else direct).get(r.concurrency)
+        if base is None or r.path == "direct" or len(r.rep_p50s) < 2 or len(base.rep_p50s) != len(r.rep_p50s):
+            continue
+        diffs = sorted(x - y for x, y in zip(r.rep_p50s, base.rep_p50s, strict=True))
+        paired.append([r.path, r.concurrency, base.path, statistics.median(diffs), diffs[0], diffs[-1], len(diffs)])
+    if paired:
+        print("\n== added TTFT p50 within each repetition (ms): median and range over repetitions ==")
+        print(table(["path", "conc", "over", "median", "min", "max", "reps"], paired))
 
     ratio_rows = []
     for c in levels:
@@ -347,7 +367,8 @@ def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | N
                       "ttft_p50_ms": r.ttft(50), "ttft_p99_ms": r.ttft(99), "total_p50_ms": r.total(50),
                       "rps": r.result.rps, "cpu_ms_per_req": r.cpu_ms_per_req, "peak_rss_bytes": r.peak_rss}
                      for r in rows],
-            "checks": [{"name": n_, "ok": ok, "detail": d} for n_, ok, d in checks]}
+            "checks": [{"name": n_, "ok": ok, "detail": d} for n_, ok, d in checks],
+            "paired_p50_ms": [dict(zip(PAIRED_KEYS, p_, strict=True)) for p_ in paired]}
     return checks, data
 
 

@@ -25,10 +25,11 @@ def run_script(name: str, *args: str, timeout: float = 180.0) -> str:
     return proc.stdout
 
 
-def table_rows(out: str, first_header: str) -> list[list[str]]:
-    """The rows of the table whose header line starts with ``first_header``."""
+def table_rows(out: str, first_header: str, after: str = "") -> list[list[str]]:
+    """The rows of the first table whose header line starts with ``first_header`` (below a line with ``after``)."""
     lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [first_header])
+    begin = next(i for i, line in enumerate(lines) if after in line)
+    start = next(i for i, line in enumerate(lines) if i >= begin and line.split()[:1] == [first_header])
     rows = []
     for line in lines[start + 2:]:
         if not line.strip() or line.startswith(("==", "PASS", "FAIL", "SKIP", "slope")):
@@ -66,13 +67,13 @@ def test_memory_smoke_samples_rss() -> None:
 
 
 def test_gateway_smoke_compares_paths() -> None:
-    out = run_script("bench_gateway.py", "--smoke", "--paths", "direct,pyrelay,nginx,gateway")
+    out = run_script("bench_gateway.py", "--smoke", "--repeat", "2", "--paths", "direct,pyrelay,nginx,gateway")
     rows = table_rows(out, "path")
     by = {(r[0], int(r[1])): r for r in rows}
     for path in ("direct", "pyrelay", "gateway"):
         for c in (1, 4):
             r = by[(path, c)]
-            assert int(r[2]) == 12 and int(r[3]) == 0  # all 12 timed requests streamed completely
+            assert int(r[2]) == 24 and int(r[3]) == 0  # all 2x12 timed requests streamed completely
             ttft50 = float(r[4])
             assert 10.0 <= ttft50 < 1000.0  # the fake miner's first token comes after 10 ms: nothing is faster
     for c in (1, 4):
@@ -81,5 +82,9 @@ def test_gateway_smoke_compares_paths() -> None:
     if "[skip] nginx" not in out:
         assert ("nginx", 1) in by and ("nginx", 4) in by
     assert "gateway/nginx" in out and "pyrelay/nginx" in out
+    paired = {(r[0], int(r[1])): r for r in table_rows(out, "path", after="within each repetition")}
+    for c in (1, 4):  # the same added p50, taken within each of the 2 repetitions
+        assert paired[("gateway", c)][2] == "direct" and int(paired[("gateway", c)][6]) == 2
+        assert float(paired[("pyrelay", c)][4]) <= float(paired[("pyrelay", c)][3]) <= float(paired[("pyrelay", c)][5])
     assert re.search(r"^PASS  btauth: fake miners verified (\d+) signed requests", out, re.M)
     assert "PASS  client errors: 0" in out
