@@ -137,6 +137,7 @@ async def make_gateway(alice: Keypair) -> AsyncIterator[Callable[..., Awaitable[
         pool = MinerPool()
         sink = MeasurementQueue()
         upstream = Upstream(pool, RequestSigner(alice), sink, timeouts=timeouts)
+        cfg.setdefault("freeze_heap", False)
         config = GatewayConfig.from_sources(port=0, models=[MODEL], keys=[API_KEY], env={}, **cfg)
         gw = Gateway(config, router, upstream)
         await gw.start()

@@ -1083,3 +1083,17 @@ async def test_slot_count_advertised_by_the_miner_reaches_the_router(make_sim_mi
         h.router.release(lease)
     assert m.ok
     assert h.router.get(1).slots == 3
+
+
+async def test_a_started_gateway_freezes_the_startup_heap_out_of_full_collections(make_miner, make_gateway):
+    import gc
+
+    gc.unfreeze()
+    m = await make_miner()
+    try:
+        await make_gateway([m], freeze_heap=False)
+        assert gc.get_freeze_count() == 0
+        await make_gateway([m], freeze_heap=True)
+        assert gc.get_freeze_count() > 1000  # the SDK, imports and everything else allocated so far
+    finally:
+        gc.unfreeze()
