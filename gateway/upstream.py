@@ -28,8 +28,9 @@ Example::
 
 A relay that writes once per network read uses ``await stream.next_batch()`` (every chunk decoded
 from one read; ``[]`` at the end) and ``stream.ready`` (True when the next call will not wait). A relay
-that has already sent its first bytes can go further with ``stream.push_to(sink)``: from then on each
-read's chunks go to ``sink(chunks)`` inside the read callback itself (no task switch per token), and
+can go further with ``stream.push_to(sink)``: from then on each read's chunks (and at once, those that
+came with the response head) go to ``sink(chunks)`` inside the read callback itself (no task switch per
+token, the first one included), and
 ``await stream.wait_push()`` returns when the stream ended or the sink said it is full (returned
 False: its client is behind); ``next_batch`` then carries on with whatever came after.
 """
@@ -408,10 +409,7 @@ class UpstreamStream:
         """
         self._push = sink
         if sink is not None and self._pending and self.measurement is None:
-            batch = list(self._pending)
-            self._pending.clear()
-            if not sink(batch):
-                self._push = None
+            self._hand_over(sink)
 
     async def wait_push(self) -> None:
         """While pushing, wait until the stream ended (failures included) or the sink said it is full."""
@@ -479,16 +477,19 @@ class UpstreamStream:
         """Called by the connection after every network read: parse and measure now, then wake the consumer."""
         if conn is self._conn and self._streaming and self.measurement is None:
             self._consume(conn)
-            push = self._push
-            if push is not None and self._pending:
-                batch = list(self._pending)
-                self._pending.clear()
-                if not push(batch):
-                    self._push = None  # the sink is full: the relay carries on with awaited writes
-                    self._wake()
+            if self._push is not None and self._pending:
+                self._hand_over(self._push)
                 if self.measurement is None:
                     return  # nothing for a waiting consumer: it waits for the end (or the sink being full)
         self._wake()
+
+    def _hand_over(self, sink: Callable[[list[ChunkInfo]], bool]) -> None:
+        """Give the queued chunks to the push sink; one that is full stops the pushing and wakes the relay."""
+        batch = list(self._pending)
+        self._pending.clear()
+        if not sink(batch):
+            self._push = None  # the relay carries on with awaited writes
+            self._wake()
 
     def _consume(self, conn: MinerConnection) -> None:
         data = conn.take_body()
