@@ -309,6 +309,7 @@ class _Connection(asyncio.Protocol):
 
     def _reset_message(self) -> None:
         self._url = b""
+        self._path, self._query = "/", ""
         self._headers: dict[str, str] = {}
         self._head_bytes = 0
         self._body = bytearray()
@@ -329,10 +330,12 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self._parser is None:
             return
+        if self._url:  # the request target is whole once the head is: parsed once, here
+            url = httptools.parse_url(self._url)
+            self._path = (url.path or b"/").decode("latin-1")
+            self._query = (url.query or b"").decode("latin-1")
         if self.server.check_head is not None:
-            url = httptools.parse_url(self._url) if self._url else None
-            path = (url.path or b"/").decode("latin-1") if url else "/"
-            refusal = self.server.check_head(self._parser.get_method().decode("latin-1"), path, self._headers)
+            refusal = self.server.check_head(self._parser.get_method().decode("latin-1"), self._path, self._headers)
             if refusal is not None:
                 self._refuse_with(refusal)
                 return
@@ -362,13 +365,12 @@ class _Connection(asyncio.Protocol):
             return
         self._in_message = False
         p = self._parser
-        url = httptools.parse_url(self._url) if self._url else None
         major, _, minor = p.get_http_version().partition(".")
         version = (int(major or 1), int(minor or 1))
         self._queue.append(Request(
             method=p.get_method().decode("latin-1"),
-            path=(url.path or b"/").decode("latin-1") if url else "/",
-            query=(url.query or b"").decode("latin-1") if url else "",
+            path=self._path,
+            query=self._query,
             version=version,
             headers=self._headers,
             body=bytes(self._body),
