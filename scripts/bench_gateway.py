@@ -68,7 +68,6 @@ from gateway.signing import RequestSigner  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ALL_PATHS = ("direct", "signed", "pyrelay", "nginx", "litellm", "gateway")
-FLOORS = ("direct", "signed")
 TARGET_C = 64
 GATEWAY_KEY = "sk-bench-gateway"
 PAIRED_KEYS = ("path", "concurrency", "over", "median", "min", "max", "reps")
@@ -268,9 +267,10 @@ def _measure_one(a: argparse.Namespace, path: Path_, c: int, body: bytes, *, see
     cpu = cpu_seconds(pids) - cpu0 if cpu0 is not None else None
     rss = peak_rss_bytes(tree(path.pid)) if path.pid else None
     err = f"  first error: {res.first_error()}" if res.errors else ""
+    p50 = percentile(res.ttfts_ms(), 50)
     print(f"  {name:8s} c={c:<4d} n={len(res.samples):<5d} ok={len(res.ok):<5d} "
-          f"ttft p50={percentile(res.ttfts_ms(), 50):7.2f} ms  rps={res.rps:7.1f}{err}", flush=True)
-    return Row(name, c, res, cpu, rss, [percentile(res.ttfts_ms(), 50)])
+          f"ttft p50={p50:7.2f} ms  rps={res.rps:7.1f}{err}", flush=True)
+    return Row(name, c, res, cpu, rss, [p50])
 
 
 def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | None, str]], dict]:
