@@ -55,6 +55,7 @@ import httptools
 from loguru import logger
 
 from .errors import error_body
+from .http_wire import header_fields
 
 Handler = Callable[["Request", "Response"], Awaitable[None]]
 
@@ -101,15 +102,8 @@ _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 
 def _head(version: tuple[int, int], status: int, headers: dict[str, str], framing: bytes) -> bytes:
-    lines = [b"HTTP/1.%d %d %s\r\n" % (version[1], status, _REASONS.get(status, b"Unknown")), _date_header(),
-             b"Server: tensorgate\r\n"]
-    for k, v in headers.items():
-        if "\r" in k or "\n" in k or "\r" in v or "\n" in v:
-            raise ValueError(f"header {k!r} has a line break")
-        lines.append(f"{k}: {v}\r\n".encode("latin-1"))
-    lines.append(framing)
-    lines.append(b"\r\n")
-    return b"".join(lines)
+    return b"".join((b"HTTP/1.%d %d %s\r\n" % (version[1], status, _REASONS.get(status, b"Unknown")),
+                     _date_header(), b"Server: tensorgate\r\n", header_fields(headers), framing, b"\r\n"))
 
 
 class Response:

@@ -32,6 +32,8 @@ from typing import Protocol, cast
 
 import httptools
 
+from .http_wire import header_fields
+
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one response
 
 
@@ -46,12 +48,8 @@ class ReadListener(Protocol):
 
 def encode_request(method: str, path: str, host: str, headers: Mapping[str, str], body: bytes) -> bytes:
     """One request as bytes: a single ``write``, so a small request leaves in one packet."""
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
-    for k, v in headers.items():
-        if "\r" in k or "\n" in k or "\r" in v or "\n" in v:
-            raise ValueError(f"header {k!r} contains a line break")
-        lines.append(f"{k}: {v}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    start = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n".encode("latin-1")
+    return start + header_fields(headers) + b"\r\n" + body
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
