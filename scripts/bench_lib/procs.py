@@ -213,3 +213,17 @@ def rss_bytes(pids: Sequence[int]) -> int:
 def peak_rss_bytes(pids: Sequence[int]) -> int:
     """Peak resident set size since each process started (VmHWM), summed."""
     return sum(_status_kb(p, "VmHWM") for p in pids) * 1024
+
+
+def pin(pids: Sequence[int], cpus: set[int]) -> None:
+    """Keep these processes, every thread of each, on ``cpus`` (threads they start later inherit it)."""
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue  # gone meanwhile
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass
