@@ -18,6 +18,8 @@ What it does, and nothing more:
 * a connection idle for ``keepalive_timeout`` is closed (408 first if a request was half sent);
 * ``check_head`` can refuse a request from its head alone, before its body is read (the gateway's
   API key check: an unauthenticated client cannot make it buffer a body);
+* ``on_refusal`` hears the status of every answer the server gives without the handler (400, 408,
+  413, 417, 431 and ``check_head``'s), so an operator's counts include the requests no handler saw;
 * a client that goes away cancels its handler at once (so the miner request is cancelled too);
 * writes are flow-controlled (:meth:`Response.write` waits while the client is behind);
 * :meth:`HttpServer.stop` stops accepting, lets running handlers finish for ``shutdown_timeout``,
@@ -198,9 +200,10 @@ class HttpServer:
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
                  max_body_bytes: int = 1 << 20, max_head_bytes: int = 64 * 1024,
                  keepalive_timeout: float = 75.0, shutdown_timeout: float = 5.0,
-                 check_head: HeadCheck | None = None) -> None:
+                 check_head: HeadCheck | None = None, on_refusal: Callable[[int], None] | None = None) -> None:
         self.handler = handler
         self.check_head = check_head  # (method, path, headers) once a head is in; a Refusal skips the body
+        self.on_refusal = on_refusal  # (status) for each refusal answered
         self.host = host
         self._port = port
         self.max_body_bytes = max_body_bytes
@@ -445,6 +448,8 @@ class _Connection(asyncio.Protocol):
         self._next()
 
     def _answer_refusal(self, r: Refusal) -> None:
+        if self.server.on_refusal is not None:
+            self.server.on_refusal(r.status)
         body = json.dumps(error_body(r.message, type=r.type, code=r.code)).encode()
         self.write(_head((1, 1), r.status, {"Content-Type": "application/json", **r.headers},
                          b"Content-Length: %d\r\nConnection: close\r\n" % len(body)) + body)

@@ -136,7 +136,8 @@ class Gateway:
         server = HttpServer(self._handle, host=self.config.host, port=self.config.port,
                             max_body_bytes=self.config.max_body_bytes,
                             keepalive_timeout=self.config.keepalive_timeout,
-                            shutdown_timeout=self.config.shutdown_timeout, check_head=self._check_head)
+                            shutdown_timeout=self.config.shutdown_timeout, check_head=self._check_head,
+                            on_refusal=self._count_refusal)
         await server.start()
         self._server = server
         if self.config.freeze_heap:
@@ -179,8 +180,10 @@ class Gateway:
         if path != "/v1/chat/completions" or self.auth.check(headers.get("authorization")):
             return None
         e = unauthorized()
-        self.outcomes[str(e.status)] += 1
         return Refusal(e.status, e.message, e.code or "", type=e.type, headers=e.headers)
+
+    def _count_refusal(self, status: int) -> None:
+        self.outcomes[str(status)] += 1
 
     def _authorize(self, request: Request) -> None:
         if not self.auth.check(request.headers.get("authorization")):

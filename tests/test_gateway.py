@@ -384,6 +384,8 @@ async def test_auth(make_miner, make_gateway):
         assert r.status == 200
         assert [d["id"] for d in (await r.json())["data"]] == [MODEL]
     assert m.requests == 0 and h.measurements() == []
+    async with h.client.get(h.base_url + "/v1/status", headers=h.auth) as r:
+        assert (await r.json())["outcomes"] == {"401": 7}  # 5 refused from the head, 2 by their handler
 
 
 @pytest.mark.parametrize(
@@ -445,6 +447,10 @@ async def test_400_malformed_json_404_unknown_model_413_too_big(make_miner, make
     async with h.client.get(h.base_url + "/v1/nothing", headers=h.auth) as r:
         assert r.status == 404 and (await error_of(r))["code"] == "not_found"
     assert m.requests == 0
+    # the 413s came from the server before any handler ran; they are counted all the same
+    async with h.client.get(h.base_url + "/v1/status", headers=h.auth) as r:
+        outcomes = (await r.json())["outcomes"]
+    assert outcomes == {"400": 2, "404": 2, "413": 2}
 
 
 async def test_max_tokens_capped_by_config(make_miner, make_gateway):
