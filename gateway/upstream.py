@@ -7,7 +7,7 @@ completion tokens are the content chunks the gateway itself counted. Whatever th
 refuse (429), hang, stall, send garbage, NaN, too-long lines, more tokens than ``max_tokens``, drop
 the connection — the stream is bounded, stopped and recorded as exactly one :class:`Measurement`.
 
-The bytes travel over :class:`gateway.miner_http.MinerPool` (pooled keep-alive connections, parsed
+The bytes travel over :class:`gateway.http.client.MinerPool` (pooled keep-alive connections, parsed
 inside ``data_received``): each network read is parsed, measured and queued at once, so TTFT is
 taken when the bytes arrive, not when the consumer gets round to them.
 
@@ -48,24 +48,13 @@ from typing import Any
 
 from loguru import logger
 
-from .measurement import (
-    CLIENT_DISCONNECT,
-    FAIL_BUSY,
-    FAIL_CONNECT,
-    FAIL_DROPPED,
-    FAIL_EMPTY,
-    FAIL_GARBAGE,
-    FAIL_HTTP,
-    FAIL_OVERLONG,
-    FAIL_TIMEOUT,
-    Measurement,
-    MeasurementSink,
-)
-from .miner_http import MinerConnection, MinerHTTPError, MinerPool, encode_request
-from .openai_schema import estimate_prompt_tokens, requested_max_tokens
+from scoring.measurement import FailureReason, Measurement, MeasurementSink
+
+from .http.client import MinerConnection, MinerHTTPError, MinerPool, encode_request
+from .protocol.openai import estimate_prompt_tokens, requested_max_tokens
+from .protocol.signing import RequestSigner
+from .protocol.sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
 from .router import Lease, MinerState
-from .signing import RequestSigner
-from .sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
 
 PATH = "/v1/chat/completions"
 SLOTS_HEADER = "x-miner-slots"  # advisory: clamped by the router (header names arrive lower-cased)
@@ -282,11 +271,11 @@ class UpstreamStream:
             self._timer.cancel()
             self._timer = None
         if self._conn is not None:
-            if failure in (None, FAIL_BUSY, FAIL_HTTP):
+            if failure in (None, FailureReason.BUSY, FailureReason.HTTP_STATUS):
                 self._up._pool.release(self._conn)  # reused once its response has ended cleanly
             else:
                 self._conn.close()  # frees the miner's slot now, not when the socket times out
-        if failure is not None and failure != CLIENT_DISCONNECT:
+        if failure is not None and failure != FailureReason.CLIENT_DISCONNECT:
             self._error = UpstreamError(failure, m, status=status, after_content=self.content_started,
                                         detail=detail)
             logger.debug("uid {} {}{}", self.uid, failure, f" ({detail})" if detail else "")
@@ -316,29 +305,29 @@ class UpstreamStream:
                 conn, _ = await self._send(reused_ok=False)
             if not conn.head_done:
                 if isinstance(conn.error, MinerHTTPError):
-                    raise self._fail(FAIL_GARBAGE, detail=f"bad HTTP response: {conn.error}")
-                raise self._fail(FAIL_CONNECT, detail=type(conn.error).__name__)
+                    raise self._fail(FailureReason.GARBAGE, detail=f"bad HTTP response: {conn.error}")
+                raise self._fail(FailureReason.CONNECT, detail=type(conn.error).__name__)
             advertised = conn.headers.get(SLOTS_HEADER)
             if advertised is not None and self._up.on_slots is not None and advertised.isdigit():
                 self._up.on_slots(miner, int(advertised))
             status = conn.status
             if status == 429:
-                raise self._fail(FAIL_BUSY, status=429)
+                raise self._fail(FailureReason.BUSY, status=429)
             if status != 200:
-                raise self._fail(FAIL_HTTP, status=status, detail=f"HTTP {status}")
+                raise self._fail(FailureReason.HTTP_STATUS, status=status, detail=f"HTTP {status}")
             ctype = conn.headers.get("content-type", "").partition(";")[0].strip().lower()
             if ctype != "text/event-stream":
-                raise self._fail(FAIL_GARBAGE, status=200, detail=f"content type {ctype!r}")
+                raise self._fail(FailureReason.GARBAGE, status=200, detail=f"content type {ctype!r}")
             encoding = conn.headers.get("content-encoding", "identity").strip().lower()
             if encoding != "identity":
-                raise self._fail(FAIL_GARBAGE, status=200, detail=f"content encoding {encoding!r}")
+                raise self._fail(FailureReason.GARBAGE, status=200, detail=f"content encoding {encoding!r}")
             self._streaming = True
             self._consume(conn)  # body bytes that came with the head
         except UpstreamError:
             raise
         except BaseException:
             # cancelled (client gone, shutdown) or an unexpected bug: still exactly one measurement
-            self._finish(CLIENT_DISCONNECT)
+            self._finish(FailureReason.CLIENT_DISCONNECT)
             raise
 
     async def _send(self, *, reused_ok: bool) -> tuple[MinerConnection, bool]:
@@ -350,7 +339,7 @@ class UpstreamStream:
             conn = await self._up._pool.connect(miner.endpoint, connect_timeout=max(0.0, min(tmo.connect, remaining)),
                                                 fresh=not reused_ok)
         except (OSError, TimeoutError, ValueError) as e:
-            raise self._fail(FAIL_CONNECT, detail=type(e).__name__) from None
+            raise self._fail(FailureReason.CONNECT, detail=type(e).__name__) from None
         self._conn = conn
         reused = conn.uses > 0
         headers = self._up._signer.sign(path=PATH, body=self._body, receiver_ss58=miner.hotkey)
@@ -365,7 +354,7 @@ class UpstreamStream:
             self._timer = self._loop.call_at(self._next_deadline(), self._on_deadline)
         while not conn.head_done and conn.error is None:
             if self._loop.time() >= self._next_deadline():
-                raise self._fail(FAIL_TIMEOUT, detail="no response headers before the first-token deadline")
+                raise self._fail(FailureReason.TIMEOUT, detail="no response headers before the first-token deadline")
             await self._wait()
         return conn, reused
 
@@ -446,7 +435,7 @@ class UpstreamStream:
         # nobody waiting: the consumer is busy elsewhere; its next _fill sees the deadline has passed
 
     def _timed_out(self) -> None:
-        self._fail(FAIL_TIMEOUT, detail="stalled" if self.content_started else "no first token")
+        self._fail(FailureReason.TIMEOUT, detail="stalled" if self.content_started else "no first token")
 
     async def _fill(self) -> None:
         """Wait for the next read (it is parsed on arrival, by :meth:`on_read`) or the deadline."""
@@ -497,16 +486,16 @@ class UpstreamStream:
             try:
                 events = self._parser.feed(data)
             except SSEGarbage as e:
-                self._fail(FAIL_GARBAGE, detail=str(e))
+                self._fail(FailureReason.GARBAGE, detail=str(e))
                 return
             for ev in events:
                 if not self._on_event(ev):
                     return
         if conn.error is not None:
             if isinstance(conn.error, MinerHTTPError):
-                self._fail(FAIL_GARBAGE, detail=str(conn.error))
+                self._fail(FailureReason.GARBAGE, detail=str(conn.error))
             else:
-                self._fail(FAIL_DROPPED, detail=type(conn.error).__name__)
+                self._fail(FailureReason.DROPPED, detail=type(conn.error).__name__)
         elif conn.complete:
             self._on_eof()
         elif len(self._pending) > PAUSE_CHUNKS and self._push is None:
@@ -516,23 +505,23 @@ class UpstreamStream:
         """Handle one event; False when the stream ended (done or failed)."""
         if data == DONE or (data[:1] != "{" and data.strip() == DONE):
             if self.tokens == 0:
-                self._fail(FAIL_EMPTY, detail="[DONE] without content")
+                self._fail(FailureReason.EMPTY, detail="[DONE] without content")
             else:
                 self._finish(None)
             return False
         try:
             chunk = self._decoder.decode(data)
         except SSEErrorEvent as e:
-            self._fail(FAIL_DROPPED, detail=str(e))
+            self._fail(FailureReason.DROPPED, detail=str(e))
             return False
         except SSEGarbage as e:
-            self._fail(FAIL_GARBAGE, detail=str(e))
+            self._fail(FailureReason.GARBAGE, detail=str(e))
             return False
         now = self._loop.time()
         self._last_event = now
         if chunk.content:
             if self.tokens >= self.max_tokens:
-                self._fail(FAIL_OVERLONG, detail=f"more than max_tokens={self.max_tokens} tokens")
+                self._fail(FailureReason.OVERLONG, detail=f"more than max_tokens={self.max_tokens} tokens")
                 return False
             self.tokens += 1
             if self.ttft_s is None:
@@ -551,13 +540,13 @@ class UpstreamStream:
         if self.finish_reason is not None and self.tokens > 0:
             self._finish(None)  # finished but forgot [DONE]: the answer is complete
         elif self.finish_reason is not None:
-            self._fail(FAIL_EMPTY, detail="finished without content")
+            self._fail(FailureReason.EMPTY, detail="finished without content")
         else:
-            self._fail(FAIL_DROPPED, detail="stream ended before finish")
+            self._fail(FailureReason.DROPPED, detail="stream ended before finish")
 
     # -- closing ---------------------------------------------------------------------------------
 
-    def close(self, reason: str = CLIENT_DISCONNECT) -> None:
+    def close(self, reason: str = FailureReason.CLIENT_DISCONNECT) -> None:
         """Stop now (no-op when already finished): the miner connection is closed, its slot freed."""
         if not self.finished:
             self._finish(reason)
@@ -567,4 +556,4 @@ class UpstreamStream:
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
-        self.close(CLIENT_DISCONNECT)
+        self.close(FailureReason.CLIENT_DISCONNECT)

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.openai_schema import requested_max_tokens
+from gateway.protocol.openai import requested_max_tokens
 
 _VOCAB = (
     "the of and to in is that for it as with was on be by this are from or at an which have not had "

@@ -24,10 +24,10 @@ from typing import Any
 
 from loguru import logger
 
-from gateway.miner_http import MinerPool
+from gateway.app import Gateway, GatewayConfig
+from gateway.http.client import MinerPool
+from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
-from gateway.server import Gateway, GatewayConfig
-from gateway.signing import RequestSigner
 from gateway.upstream import Upstream
 from scoring.credit import CreditConfig
 from scoring.scorer import Scorer

@@ -24,11 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.measurement import CLIENT_DISCONNECT, FAIL_BUSY, Measurement
+from scoring.measurement import FailureReason, Measurement
 
 # Failures that are not the miner's fault: a 429 is the miner telling the truth about its capacity,
 # a client disconnect is the caller walking away. Both are excluded from credit (neither 0 nor 1).
-EXCLUDED_FAILURES: frozenset[str] = frozenset({FAIL_BUSY, CLIENT_DISCONNECT})
+EXCLUDED_FAILURES: frozenset[str] = frozenset({FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT})
 
 DecodeCurve = tuple[tuple[int, float], ...]
 

@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.measurement import Measurement
 from scoring.credit import CreditConfig, request_credit
+from scoring.measurement import Measurement
 
 
 def percentile(samples: Sequence[float], q: float) -> float | None:

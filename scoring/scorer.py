@@ -1,6 +1,6 @@
 """The scorer: measurements in, round reports, routing credits and weights out.
 
-It is the gateway's :class:`~gateway.measurement.MeasurementSink`: ``record`` folds a measurement
+It is the gateway's :class:`~scoring.measurement.MeasurementSink`: ``record`` folds a measurement
 into the round in progress in O(1) and never raises into the serving path. ``close_round`` turns
 the round into a :class:`RoundReport`, pushes it into the trailing :class:`Settlement` and persists
 it (one transaction) when a store is attached.
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 from loguru import logger
 
-from gateway.measurement import Measurement
 from scoring.credit import CreditConfig
+from scoring.measurement import Measurement
 from scoring.rounds import RoundAccumulator
 from scoring.settlement import Settlement
 from scoring.store import ScoreStore, StoredMiner, StoredRound

@@ -73,7 +73,7 @@ from bench_lib.fake_upstream import validator_keypair  # noqa: E402
 from bench_lib.procs import Child, cpu_seconds, exit_on_signals, peak_rss_bytes, pin, tree  # noqa: E402
 from bench_lib.stats import percentile, table, verdict  # noqa: E402
 
-from gateway.signing import RequestSigner  # noqa: E402
+from gateway.protocol.signing import RequestSigner  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ALL_PATHS = ("direct", "signed", "pyrelay", "nginx", "litellm", "gateway")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Soak: routing fairness and incentive soundness, real gateway + router + miners + scoring, compressed time.
 
-Each scenario runs the real :class:`gateway.server.Gateway` and router, reference miners
+Each scenario runs the real :class:`gateway.app.Gateway` and router, reference miners
 (``neurons.miner``) serving the simulated RTX 5090 runtime, probes and the :class:`scoring.Scorer`
 on loopback, under the project's router and under the deterministic tie-break (the known-bad
 baseline), and prints per miner: requests served and share, TTFT p50/p95, round credits, settled

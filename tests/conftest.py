@@ -11,12 +11,12 @@ import aiohttp
 import pytest
 from bittensor.sp_core import Keypair
 
-from gateway.measurement import MeasurementQueue
-from gateway.miner_http import MinerPool
+from gateway.app import Gateway, GatewayConfig
+from gateway.http.client import MinerPool
+from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
-from gateway.server import Gateway, GatewayConfig
-from gateway.signing import RequestSigner
 from gateway.upstream import Upstream, UpstreamTimeouts
+from scoring.measurement import MeasurementQueue
 from tests.fakes import MODEL, DeadMiner, FakeMiner, LoopbackMiner, Script
 
 API_KEY = "sk-test-0123456789"

@@ -7,15 +7,6 @@ import random
 
 import pytest
 
-from gateway.measurement import (
-    CLIENT_DISCONNECT,
-    FAIL_BUSY,
-    FAIL_CONNECT,
-    FAIL_DROPPED,
-    FAIL_GARBAGE,
-    FAIL_TIMEOUT,
-    Measurement,
-)
 from scoring.credit import (
     CreditConfig,
     aggregate_rate,
@@ -24,6 +15,7 @@ from scoring.credit import (
     request_credit,
     ttft_credit,
 )
+from scoring.measurement import FailureReason, Measurement
 
 CFG = CreditConfig()
 
@@ -171,12 +163,13 @@ def test_too_few_tokens_means_ttft_only() -> None:
     assert request_credit(m, CFG) == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("reason", [FAIL_BUSY, CLIENT_DISCONNECT])
+@pytest.mark.parametrize("reason", [FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT])
 def test_not_the_miners_fault_is_excluded(reason: str) -> None:
     assert request_credit(measure(ok=False, failure=reason, ttft=None, latency=0.01), CFG) is None
 
 
-@pytest.mark.parametrize("reason", [FAIL_CONNECT, FAIL_TIMEOUT, FAIL_DROPPED, FAIL_GARBAGE, "http_status", None])
+@pytest.mark.parametrize("reason", [FailureReason.CONNECT, FailureReason.TIMEOUT, FailureReason.DROPPED,
+                                    FailureReason.GARBAGE, "http_status", None])
 def test_miner_failures_are_zero(reason: str | None) -> None:
     # Even with a good TTFT before the failure, a failed request earns nothing.
     assert request_credit(measure(rate=440.0, ok=False, failure=reason), CFG) == 0.0

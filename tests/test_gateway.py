@@ -13,20 +13,10 @@ import bittensor as bt
 import pytest
 
 from gateway.auth import ApiKeyAuth, bearer_token, hash_key, load_key_hashes
-from gateway.measurement import (
-    CLIENT_DISCONNECT,
-    FAIL_BUSY,
-    FAIL_CONNECT,
-    FAIL_DROPPED,
-    FAIL_EMPTY,
-    FAIL_GARBAGE,
-    FAIL_HTTP,
-    FAIL_OVERLONG,
-    FAIL_TIMEOUT,
-)
-from gateway.signing import RequestSigner
-from gateway.sse import ChunkDecoder, ChunkFramer, SSEGarbage, SSEParser, frame, parse_chunk
+from gateway.protocol.signing import RequestSigner
+from gateway.protocol.sse import ChunkDecoder, ChunkFramer, SSEGarbage, SSEParser, frame, parse_chunk
 from gateway.upstream import UpstreamTimeouts
+from scoring.measurement import FailureReason
 from tests.conftest import API_KEY
 from tests.fakes import MODEL, Script, body, contents, eventually, read_sse
 
@@ -239,7 +229,7 @@ async def test_retry_on_busy(make_miner, make_gateway):
     assert contents(events) == [ok.token(i) for i in range(3)]
     assert busy.requests == 1 and ok.requests == 1
     fails = [(x.uid, x.failure) for x in h.measurements()]
-    assert fails == [(h.uids["busy-"], FAIL_BUSY), (h.uids["ok-"], None)]
+    assert fails == [(h.uids["busy-"], FailureReason.BUSY), (h.uids["ok-"], None)]
     assert h.router.total_in_flight() == 0
 
 
@@ -249,7 +239,7 @@ async def test_retry_on_dead_miner(make_miner, make_gateway, dead_miner):
     async with h.chat(body(stream=False, max_tokens=3)) as r:
         assert r.status == 200
         assert (await r.json())["tensorgate"]["miner_uid"] == h.uids["ok-"]
-    assert [x.failure for x in h.measurements()] == [FAIL_CONNECT, None]
+    assert [x.failure for x in h.measurements()] == [FailureReason.CONNECT, None]
     assert h.router.total_in_flight() == 0
 
 
@@ -262,7 +252,7 @@ async def test_retry_on_failure_after_prelude_but_before_content(make_miner, mak
         assert r.status == 200
         events = await read_sse(r)
     assert contents(events) == [ok.token(0), ok.token(1)]
-    assert [x.failure for x in h.measurements()] == [FAIL_TIMEOUT, None]
+    assert [x.failure for x in h.measurements()] == [FailureReason.TIMEOUT, None]
 
 
 async def test_no_retry_after_first_byte(make_miner, make_gateway):
@@ -277,7 +267,7 @@ async def test_no_retry_after_first_byte(make_miner, make_gateway):
     assert len(errors) == 1 and events[-1] == "[DONE]" and events[-2] is errors[0]
     assert errors[0]["error"]["type"] == "upstream_error"
     assert ok.requests == 0
-    assert [x.failure for x in h.measurements()] == [FAIL_DROPPED]
+    assert [x.failure for x in h.measurements()] == [FailureReason.DROPPED]
     assert h.router.total_in_flight() == 0
 
 
@@ -292,7 +282,7 @@ async def test_non_streaming_failure_mid_answer_is_retried_on_another_miner(make
         doc = await r.json()
     assert doc["choices"][0]["message"]["content"] == "".join(ok.token(i) for i in range(4))
     assert doc["tensorgate"]["miner_uid"] == h.uids["ok-"]
-    assert [x.failure for x in h.measurements()] == [FAIL_DROPPED, None]
+    assert [x.failure for x in h.measurements()] == [FailureReason.DROPPED, None]
     assert h.router.total_in_flight() == 0
 
 
@@ -302,7 +292,7 @@ async def test_non_streaming_gives_502_when_every_miner_fails_mid_answer(make_mi
     async with h.chat(body(stream=False)) as r:
         assert r.status == 502
         await error_of(r)
-    assert [x.failure for x in h.measurements()] == [FAIL_DROPPED, FAIL_DROPPED]
+    assert [x.failure for x in h.measurements()] == [FailureReason.DROPPED, FailureReason.DROPPED]
     assert h.router.total_in_flight() == 0
 
 
@@ -313,7 +303,7 @@ async def test_stall_mid_stream_ends_with_error_event_not_a_hang(make_miner, mak
         events = await asyncio.wait_for(read_sse(r), timeout=10)
     assert len(contents(events)) == 2
     assert events[-2]["error"]["code"] == "upstream_timeout" and events[-1] == "[DONE]"
-    assert [x.failure for x in h.measurements()] == [FAIL_TIMEOUT]
+    assert [x.failure for x in h.measurements()] == [FailureReason.TIMEOUT]
     assert await eventually(lambda: stall.active == 0)  # the gateway hung up: the miner's slot is free
 
 
@@ -324,7 +314,7 @@ async def test_retries_are_bounded(make_miner, make_gateway):
         assert r.status == 502
         await error_of(r)
     assert sum(m.requests for m in miners) == 3
-    assert [x.failure for x in h.measurements()] == [FAIL_HTTP] * 3
+    assert [x.failure for x in h.measurements()] == [FailureReason.HTTP_STATUS] * 3
 
 
 # -- client disconnect ---------------------------------------------------------------------------
@@ -344,7 +334,7 @@ async def test_disconnect_mid_stream_frees_both_sides(make_miner, make_gateway):
     assert m.cancelled == 1 and m.finished == 0
     assert await eventually(lambda: len(h.measurements()) == 1)
     [meas] = h.measurements()
-    assert meas.failure == CLIENT_DISCONNECT and not meas.ok
+    assert meas.failure == FailureReason.CLIENT_DISCONNECT and not meas.ok
 
 
 async def test_disconnect_before_first_byte_cancels_upstream(make_miner, make_gateway):
@@ -357,7 +347,7 @@ async def test_disconnect_before_first_byte_cancels_upstream(make_miner, make_ga
         await task
     assert await eventually(lambda: h.router.total_in_flight() == 0 and m.active == 0)
     assert await eventually(lambda: len(h.measurements()) == 1)
-    assert h.measurements()[0].failure == CLIENT_DISCONNECT
+    assert h.measurements()[0].failure == FailureReason.CLIENT_DISCONNECT
 
 
 # -- error codes ---------------------------------------------------------------------------------
@@ -473,7 +463,7 @@ async def test_429_when_nothing_eligible_or_all_busy(make_miner, make_gateway):
     h2 = await make_gateway(busy)
     async with h2.chat(body()) as r:
         assert r.status == 429
-    assert [x.failure for x in h2.measurements()] == [FAIL_BUSY, FAIL_BUSY]
+    assert [x.failure for x in h2.measurements()] == [FailureReason.BUSY, FailureReason.BUSY]
 
 
 async def test_502_and_504_before_first_byte(make_miner, make_gateway, dead_miner):
@@ -485,7 +475,7 @@ async def test_502_and_504_before_first_byte(make_miner, make_gateway, dead_mine
     async with h2.chat(body(stream=False)) as r:
         assert r.status == 504
         assert (await error_of(r))["type"] == "timeout_error"
-    assert [x.failure for x in h2.measurements()] == [FAIL_TIMEOUT]
+    assert [x.failure for x in h2.measurements()] == [FailureReason.TIMEOUT]
     assert await eventually(lambda: hang.active == 0)
 
 
@@ -495,19 +485,19 @@ async def test_502_and_504_before_first_byte(make_miner, make_gateway, dead_mine
 @pytest.mark.parametrize(
     ("script", "reason"),
     [
-        (Script("garbage"), FAIL_GARBAGE),
-        (Script("nan"), FAIL_GARBAGE),
-        (Script("invalid_utf8"), FAIL_GARBAGE),
-        (Script("long_line"), FAIL_GARBAGE),
-        (Script("wrong_shape"), FAIL_GARBAGE),
-        (Script("overlong", tokens=12), FAIL_OVERLONG),
-        (Script("hang_headers"), FAIL_TIMEOUT),
-        (Script("hang_first"), FAIL_TIMEOUT),
-        (Script("stall_after", after=2), FAIL_TIMEOUT),
-        (Script("drop_after", after=2), FAIL_DROPPED),
-        (Script("empty"), FAIL_EMPTY),
-        (Script("http500"), FAIL_HTTP),
-        (Script("busy"), FAIL_BUSY),
+        (Script("garbage"), FailureReason.GARBAGE),
+        (Script("nan"), FailureReason.GARBAGE),
+        (Script("invalid_utf8"), FailureReason.GARBAGE),
+        (Script("long_line"), FailureReason.GARBAGE),
+        (Script("wrong_shape"), FailureReason.GARBAGE),
+        (Script("overlong", tokens=12), FailureReason.OVERLONG),
+        (Script("hang_headers"), FailureReason.TIMEOUT),
+        (Script("hang_first"), FailureReason.TIMEOUT),
+        (Script("stall_after", after=2), FailureReason.TIMEOUT),
+        (Script("drop_after", after=2), FailureReason.DROPPED),
+        (Script("empty"), FailureReason.EMPTY),
+        (Script("http500"), FailureReason.HTTP_STATUS),
+        (Script("busy"), FailureReason.BUSY),
         (Script("no_done", tokens=3), None),
         (Script("ok", tokens=3), None),
     ],
@@ -524,7 +514,7 @@ async def test_probe_records_failure_reason(make_miner, make_gateway, script, re
         h.router.release(lease)
     assert meas.failure == reason and meas.ok is (reason is None) and meas.probe
     assert h.measurements() == [meas]
-    if reason == FAIL_OVERLONG:
+    if reason == FailureReason.OVERLONG:
         assert meas.completion_tokens == 8
     assert await eventually(lambda: m.active == 0)
 
@@ -536,7 +526,7 @@ async def test_overlong_stream_is_cut_at_max_tokens(make_miner, make_gateway):
         events = await read_sse(r)
     assert len(contents(events)) == 5
     assert "error" in events[-2] and events[-1] == "[DONE]"
-    assert [x.failure for x in h.measurements()] == [FAIL_OVERLONG]
+    assert [x.failure for x in h.measurements()] == [FailureReason.OVERLONG]
 
 
 async def test_garbage_before_content_is_retried(make_miner, make_gateway):
@@ -545,7 +535,7 @@ async def test_garbage_before_content_is_retried(make_miner, make_gateway):
     h = await make_gateway([bad, ok], scores={"bad-": 1.0, "ok-": 0.0})
     async with h.chat(body(stream=False, max_tokens=2)) as r:
         assert r.status == 200
-    assert [x.failure for x in h.measurements()] == [FAIL_GARBAGE, None]
+    assert [x.failure for x in h.measurements()] == [FailureReason.GARBAGE, None]
 
 
 # -- bookkeeping under a burst -------------------------------------------------------------------
@@ -594,8 +584,8 @@ async def test_burst_of_mixed_outcomes_balances_the_books(make_miner, make_gatew
     assert sum(s["requests"] for s in per_uid.values()) == h.upstream.dispatched
     assert per_uid[h.uids["ok-"]]["ttft_p50_s"] is not None
     junk = per_uid[h.uids["junk-"]]
-    assert junk["failures"][FAIL_GARBAGE] >= 1 and junk["ok"] == 0
-    assert junk["failures"][FAIL_GARBAGE] + junk["failures"].get(FAIL_BUSY, 0) == miners[3].requests
+    assert junk["failures"][FailureReason.GARBAGE] >= 1 and junk["ok"] == 0
+    assert junk["failures"][FailureReason.GARBAGE] + junk["failures"].get(FailureReason.BUSY, 0) == miners[3].requests
 
 
 # -- several simulated miners: the real reference miner (neurons.miner + SimulatedRuntime) -------
@@ -626,7 +616,7 @@ async def test_several_simulated_miners_serve_a_burst(make_sim_miner, make_gatew
     assert await eventually(lambda: h.router.total_in_flight() == 0 and all(s.server.busy == 0 for s in sims))
     assert len(h.measurements()) == h.upstream.dispatched
     assert sum(s.server.served + s.server.refused_busy for s in sims) == h.upstream.dispatched
-    assert all(m.failure in (None, FAIL_BUSY) for m in h.measurements())
+    assert all(m.failure in (None, FailureReason.BUSY) for m in h.measurements())
 
 
 async def test_slow_card_measures_slower_than_fast_card(make_sim_miner, make_gateway):
@@ -660,15 +650,16 @@ async def test_disconnect_frees_the_real_miners_slot(make_sim_miner, make_gatewa
     resp.close()
     assert await eventually(lambda: sim.server.busy == 0 and h.router.total_in_flight() == 0)
     assert await eventually(lambda: len(h.measurements()) == 1)
-    assert h.measurements()[0].failure == CLIENT_DISCONNECT
+    assert h.measurements()[0].failure == FailureReason.CLIENT_DISCONNECT
     async with h.chat(body(stream=False, max_tokens=4)) as r:  # the single slot is usable again
         assert r.status == 200
 
 
 @pytest.mark.parametrize(
     ("knobs", "reason"),
-    [("drop_after_tokens=3", FAIL_DROPPED), ("garbage=1", FAIL_GARBAGE), ("overlong=1", FAIL_OVERLONG),
-     ("nan_usage=1", FAIL_GARBAGE), ("fail_rate=1", FAIL_HTTP)],
+    [("drop_after_tokens=3", FailureReason.DROPPED), ("garbage=1", FailureReason.GARBAGE),
+     ("overlong=1", FailureReason.OVERLONG),
+     ("nan_usage=1", FailureReason.GARBAGE), ("fail_rate=1", FailureReason.HTTP_STATUS)],
 )
 async def test_real_miner_fault_knobs_are_recorded(make_sim_miner, make_gateway, knobs, reason):
     sim = await make_sim_miner(f"rtx5090:time_scale=20,stop_rate=0,{knobs}", slots=1)
@@ -926,7 +917,7 @@ async def test_deadline_moves_with_events_and_total_still_caps(make_miner, make_
         events = await asyncio.wait_for(read_sse(r), timeout=10)
     assert 1 <= len(contents(events)) < 12
     assert events[-2]["error"]["code"] == "upstream_timeout" and events[-1] == "[DONE]"
-    assert [x.failure for x in capped.measurements()] == [FAIL_TIMEOUT]
+    assert [x.failure for x in capped.measurements()] == [FailureReason.TIMEOUT]
     assert await eventually(lambda: steady.active == 0)
 
 
@@ -953,7 +944,8 @@ async def test_relayed_frames_are_the_openai_shape(make_miner, make_gateway):
 
 async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway, monkeypatch):
     """Headers go out with the first frame, usage and ``[DONE]`` with the last: never a write per chunk."""
-    from gateway import http_server, server, upstream
+    from gateway import relay, upstream
+    from gateway.http import server as http_server
 
     counts = Counter()
     Resp = http_server.Response
@@ -976,14 +968,14 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
         counts["read"] += 1
         real_on_read(self, conn)
 
-    real_push = server.Gateway._push
+    real_push = relay.Relay._push
 
     def push(self, resp, out, batch, stream, tail):  # a write straight from the read callback
         counts["write"] += not stream.finished  # the last read's frames join the closing write instead
         counts["push"] += 1
         return real_push(self, resp, out, batch, stream, tail)
 
-    monkeypatch.setattr(server.Gateway, "_push", push)
+    monkeypatch.setattr(relay.Relay, "_push", push)
     monkeypatch.setattr(Resp, "start", start)
     monkeypatch.setattr(Resp, "write", write)
     monkeypatch.setattr(Resp, "end", end)
@@ -1002,7 +994,8 @@ async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway
 async def test_the_first_token_is_written_from_the_miner_read_that_brought_it(make_miner, make_gateway,
                                                                                monkeypatch):
     """No task switch between the first token's arrival and its write: the answer starts in the read callback."""
-    from gateway import http_server, upstream
+    from gateway import upstream
+    from gateway.http import server as http_server
 
     in_read = [False]
     starts: list[bool] = []
@@ -1031,10 +1024,11 @@ async def test_the_first_token_is_written_from_the_miner_read_that_brought_it(ma
 
 async def test_a_client_that_falls_behind_leaves_the_push_path_and_loses_nothing(make_miner, make_gateway,
                                                                                 monkeypatch):
-    from gateway import http_server, server
+    from gateway import relay
+    from gateway.http import server as http_server
 
     calls = Counter()
-    real_push, real_write = server.Gateway._push, http_server.Response.write
+    real_push, real_write = relay.Relay._push, http_server.Response.write
 
     def push(self, resp, out, batch, stream, tail):
         calls["push"] += 1
@@ -1044,9 +1038,9 @@ async def test_a_client_that_falls_behind_leaves_the_push_path_and_loses_nothing
         calls["write"] += 1
         await real_write(self, data)
 
-    monkeypatch.setattr(server.Gateway, "_push", push)
+    monkeypatch.setattr(relay.Relay, "_push", push)
     monkeypatch.setattr(http_server.Response, "write", write)
-    monkeypatch.setattr(server, "PUSH_HIGH_WATER", -1)  # the first write already finds the client "behind"
+    monkeypatch.setattr(relay, "PUSH_HIGH_WATER", -1)  # the first write already finds the client "behind"
     m = await make_miner(Script("ok", tokens=12, token_delay=0.01))
     h = await make_gateway([m])
     async with h.chat(body(max_tokens=12)) as r:

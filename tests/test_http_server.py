@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway import http_server
-from gateway.http_server import HttpServer, Request, Response
+from gateway.http import server as http_server
+from gateway.http.server import HttpServer, Request, Response
 
 Handler = Callable[[Request, Response], Awaitable[None]]
 

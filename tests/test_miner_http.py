@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.miner_http import MAX_HEAD_BYTES, MinerConnection, MinerHTTPError, MinerPool, encode_request
+from gateway.http.client import MAX_HEAD_BYTES, MinerConnection, MinerHTTPError, MinerPool, encode_request
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]
 
@@ -266,10 +266,10 @@ def sse_answer(tokens: int) -> bytes:
 
 async def test_upstream_retries_a_stale_pooled_connection_once_on_a_fresh_one(raw_server, alice):
     """The miner closed a keep-alive connection just as it was reused: the request goes out again, re-signed."""
-    from gateway.measurement import MeasurementQueue
+    from gateway.protocol.signing import RequestSigner
     from gateway.router import Candidate, Router
-    from gateway.signing import RequestSigner
     from gateway.upstream import Upstream
+    from scoring.measurement import MeasurementQueue
     from tests.fakes import body
 
     async def handler(reader, writer, n):
@@ -302,10 +302,10 @@ async def test_upstream_retries_a_stale_pooled_connection_once_on_a_fresh_one(ra
 async def test_a_consumer_that_falls_behind_pauses_reading_and_loses_nothing(raw_server, alice):
     """Chunks pile up past PAUSE_CHUNKS while nobody reads: TCP pushes back on the miner, then all arrive."""
     from gateway import upstream as up_mod
-    from gateway.measurement import MeasurementQueue
+    from gateway.protocol.signing import RequestSigner
     from gateway.router import Candidate, Router
-    from gateway.signing import RequestSigner
     from gateway.upstream import Upstream
+    from scoring.measurement import MeasurementQueue
     from tests.fakes import body
 
     n = up_mod.PAUSE_CHUNKS + 500

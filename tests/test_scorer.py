@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.measurement import FAIL_BUSY, FAIL_TIMEOUT, Measurement, MeasurementSink
 from scoring.credit import CreditConfig
+from scoring.measurement import FailureReason, Measurement, MeasurementSink
 from scoring.scorer import Scorer
 from scoring.store import ScoreStore
 
@@ -57,9 +57,9 @@ def test_report_rows() -> None:
     s = Scorer(CreditConfig(), clock=clock)
     s.record(ok("a", 1, 0.2, probe=True))
     s.record(ok("a", 1, 1.0))
-    s.record(failed("a", 1, FAIL_TIMEOUT))
-    s.record(failed("a", 1, FAIL_BUSY))
-    s.record(failed("b", 2, FAIL_TIMEOUT))
+    s.record(failed("a", 1, FailureReason.TIMEOUT))
+    s.record(failed("a", 1, FailureReason.BUSY))
+    s.record(failed("b", 2, FailureReason.TIMEOUT))
     assert s.pending == 2
     report = s.close_round(clock.t)
     assert report.index == 1 and report.ended_at == clock.t
@@ -68,7 +68,7 @@ def test_report_rows() -> None:
     assert (a.uid, a.requests, a.measured, a.probes, a.organic) == (1, 4, 3, 1, 3)
     assert a.credit == pytest.approx(0.5)  # (1.0 + 0.5 + 0.0) / 3; the 429 is excluded
     assert a.ttft_p50 == pytest.approx(0.6) and a.ttft_p95 == pytest.approx(0.96)
-    assert a.failures == {FAIL_TIMEOUT: 1, FAIL_BUSY: 1}
+    assert a.failures == {FailureReason.TIMEOUT: 1, FailureReason.BUSY: 1}
     assert a.settled == pytest.approx(0.5)
     b = rows["b"]
     assert (b.requests, b.measured, b.credit, b.ttft_p50) == (1, 1, 0.0, None)

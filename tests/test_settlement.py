@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gateway.measurement import CLIENT_DISCONNECT, FAIL_BUSY, FAIL_TIMEOUT, Measurement
 from scoring.credit import CreditConfig
+from scoring.measurement import FailureReason, Measurement
 from scoring.rounds import RoundAccumulator, percentile
 from scoring.settlement import Settlement
 from scoring.weights import compute_weights, why_empty
@@ -34,22 +34,22 @@ def test_round_score_is_mean_credit_of_measured_requests() -> None:
     acc = RoundAccumulator(CFG)
     acc.add(ok("a", 0.2))  # 1.0
     acc.add(ok("a", 1.0, probe=True))  # 0.5
-    acc.add(failed("a", FAIL_TIMEOUT))  # 0.0
-    acc.add(failed("a", FAIL_BUSY))  # excluded
-    acc.add(failed("a", CLIENT_DISCONNECT))  # excluded
+    acc.add(failed("a", FailureReason.TIMEOUT))  # 0.0
+    acc.add(failed("a", FailureReason.BUSY))  # excluded
+    acc.add(failed("a", FailureReason.CLIENT_DISCONNECT))  # excluded
     row = acc.miners["a"]
     assert row.requests == 5
     assert row.measured == 3
     assert row.score == pytest.approx(0.5)
     assert row.probes == 1 and row.organic == 4
-    assert dict(row.failures) == {FAIL_TIMEOUT: 1, FAIL_BUSY: 1, CLIENT_DISCONNECT: 1}
+    assert dict(row.failures) == {FailureReason.TIMEOUT: 1, FailureReason.BUSY: 1, FailureReason.CLIENT_DISCONNECT: 1}
     assert row.ttft_samples == [0.2, 1.0]
     assert acc.scores() == {"a": pytest.approx(0.5)}
 
 
 def test_asked_but_nothing_completed_is_zero_and_unasked_is_absent() -> None:
     acc = RoundAccumulator(CFG)
-    acc.add(failed("busy-only", FAIL_BUSY))
+    acc.add(failed("busy-only", FailureReason.BUSY))
     acc.add(failed("down", "connect"))
     assert acc.scores() == {"busy-only": 0.0, "down": 0.0}
     assert "never-asked" not in acc.scores()

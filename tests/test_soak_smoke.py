@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.measurement import Measurement
 from gateway.router import Candidate
 from neurons.sim_runtime import PROFILES
 from scoring.credit import CreditConfig, request_credit
+from scoring.measurement import Measurement
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.openai_schema import estimate_prompt_tokens
+from gateway.protocol.openai import estimate_prompt_tokens
 from neurons.chain.base import ChainParams, NeuronInfo, WeightsOutcome
 from neurons.config import ValidatorConfig, parse_args
 from neurons.keys import dev_keypair

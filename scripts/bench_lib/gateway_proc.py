@@ -28,12 +28,12 @@ from loguru import logger
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_lib
 
 from bench_lib.fake_upstream import validator_keypair  # noqa: E402
-from gateway.measurement import MeasurementQueue  # noqa: E402
-from gateway.miner_http import MinerPool  # noqa: E402
+from gateway.app import Gateway, GatewayConfig  # noqa: E402
+from gateway.http.client import MinerPool  # noqa: E402
+from gateway.protocol.signing import RequestSigner  # noqa: E402
 from gateway.router import Candidate, Router  # noqa: E402
-from gateway.server import Gateway, GatewayConfig  # noqa: E402
-from gateway.signing import RequestSigner  # noqa: E402
 from gateway.upstream import Upstream  # noqa: E402
+from scoring.measurement import MeasurementQueue  # noqa: E402
 
 
 def parse_miner(spec: str, uid: int) -> Candidate:

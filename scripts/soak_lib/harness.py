@@ -1,7 +1,7 @@
 """Runs one scenario under one router: real gateway, router, reference miners, probes and scorer.
 
 Everything lives on one event loop on loopback ephemeral ports: the simulated cards behind
-:func:`neurons.miner.start_miner`, a :class:`gateway.server.Gateway` with the router under test,
+:func:`neurons.miner.start_miner`, a :class:`gateway.app.Gateway` with the router under test,
 :class:`gateway.upstream.Upstream` signing with a validator hotkey, :class:`scoring.Scorer` fed
 through :class:`soak_lib.timescale.TimeScaledSink`, probes from :class:`neurons.probes.ProbeRunner`,
 and organic clients posting to the gateway over HTTP. Each round: events (degrade, die, revive),
@@ -28,16 +28,16 @@ from aiohttp import web
 from bittensor.sp_core import Keypair
 from loguru import logger
 
-from gateway.measurement import Measurement
-from gateway.miner_http import MinerPool
+from gateway.app import Gateway, GatewayConfig
+from gateway.http.client import MinerPool
+from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
-from gateway.server import Gateway, GatewayConfig
-from gateway.signing import RequestSigner
 from gateway.upstream import Upstream, UpstreamTimeouts
 from neurons.miner import AllowList, start_miner
 from neurons.probes import ProbeRunner
 from neurons.prompts import PromptGenerator
 from scoring.credit import CreditConfig
+from scoring.measurement import Measurement
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
 

@@ -32,7 +32,7 @@ from typing import Protocol, cast
 
 import httptools
 
-from .http_wire import header_fields
+from .wire import header_fields
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers of one response
 

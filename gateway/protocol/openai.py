@@ -161,7 +161,7 @@ def _stop(value: Any) -> str | list[str] | None:
 
 
 def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
-    """Validate a decoded JSON body; raises :class:`gateway.errors.GatewayError` (400/404)."""
+    """Validate a decoded JSON body; raises :class:`gateway.protocol.errors.GatewayError` (400/404)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     model = body.get("model")

@@ -1,60 +1,43 @@
-"""The OpenAI-compatible HTTP front door: authenticate, validate, route, relay, retry, account.
+"""One request's life: lease a miner, open the signed stream, relay it, retry before the first byte, release.
 
 A request holds exactly one router lease at a time, released in ``finally`` on every path. Until the
 first content chunk has arrived nothing is sent to the client, so a miner that is busy (429), dead,
 slow to start or broken is released and another is tried (``exclude`` = the miners tried), up to
 ``max_retries`` times. From the first content chunk on, the request belongs to that miner: a
 failure ends the stream with an error event and ``[DONE]`` — never a hang, never a second miner's
-tokens spliced in. A client that disconnects cancels its handler (:mod:`gateway.http_server`), so the
+tokens spliced in. A client that disconnects cancels its handler (:mod:`gateway.http.server`), so the
 upstream request is cancelled at once and the miner's slot freed.
 
 The relay writes once per miner read, not once per chunk: frames decoded from one read (and the
 headers with the first of them, the usage chunk and ``[DONE]`` with the last) leave in one ``write``,
-each content frame built from cached bytes (:class:`gateway.sse.ChunkFramer`). Once the first write is
-out, the stream is *pushed*: each miner read is framed and written to the client's socket from the read
-callback itself (one HTTP chunk per read), with no task switch per token; a client that falls behind
-(more than :data:`PUSH_HIGH_WATER` unsent) is served by the awaited path instead.
+each content frame built from cached bytes (:class:`gateway.protocol.sse.ChunkFramer`). Once the first
+write is out, the stream is *pushed*: each miner read is framed and written to the client's socket from
+the read callback itself (one HTTP chunk per read), with no task switch per token; a client that falls
+behind (more than :data:`PUSH_HIGH_WATER` unsent) is served by the awaited path instead.
 
 Example::
 
-    cfg = GatewayConfig.from_sources(port=0, models=["tensorgate/sim-5090"], keys=["sk-local"])
-    gw = Gateway(cfg, router, Upstream(MinerPool(), RequestSigner(keypair), sink))
-    await gw.start()
-    print(f"http://127.0.0.1:{gw.port}/v1")   # base_url for the official openai client
-    await gw.stop()
+    relay = Relay(RelayConfig(max_retries=2), router, upstream, outcomes=Counter())
+    await relay.dispatch(resp, parse_chat_request(body, limits))   # resp: gateway.http.server.Response
 """
 
 from __future__ import annotations
 
-import gc
-import json
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from loguru import logger
+from scoring.measurement import FailureReason
 
-from .auth import ApiKeyAuth, load_key_hashes
-from .errors import (
-    GatewayError,
-    bad_gateway,
-    gateway_timeout,
-    invalid_json,
-    no_capacity,
-    unauthorized,
-)
-from .http_server import HttpServer, Refusal, Request, Response
-from .measurement import FAIL_BUSY, FAIL_TIMEOUT
-from .openai_schema import ChatRequest, SchemaLimits, parse_chat_request
+from .http.server import Response
+from .protocol.errors import GatewayError, bad_gateway, gateway_timeout, no_capacity
+from .protocol.openai import ChatRequest
+from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .router import Router
-from .sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
 
-DEFAULT_MODELS = ("tensorgate/sim-5090",)
 PUSH_HIGH_WATER = 64 * 1024  # bytes unsent to a client before its stream leaves the push path
 _IDS = random.Random()  # response ids need to be unique, not secret: no urandom syscall per request
 
@@ -71,165 +54,23 @@ class _RelayStart(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: an ephemeral port, read it back from Gateway.port
-    api_key_hashes: frozenset[str] = frozenset()
-    models: tuple[str, ...] = DEFAULT_MODELS
-    max_body_bytes: int = 1 << 20
-    keepalive_timeout: float = 75.0  # an idle client connection is closed after this long
+class RelayConfig:
     max_retries: int = 2  # extra miners tried before the client has seen a byte
-    default_max_tokens: int = 256
-    max_tokens_cap: int = 4096
     timeouts: UpstreamTimeouts | None = None  # None: the Upstream's own
     served_by_header: str = "X-Tensorgate-Miner-Uid"
-    shutdown_timeout: float = 5.0
-    # Once listening, what the process allocated so far (the SDK, imports, the metagraph) lives as long as it
-    # does: gc.freeze() takes it out of full collections, each of which would otherwise scan it while every
-    # stream waits (one took 66 ms under load). Off in tests, which start many gateways in one process.
-    freeze_heap: bool = True
-
-    @classmethod
-    def from_sources(
-        cls,
-        *,
-        keys_file: str | Path | None = None,
-        keys: Iterable[str] | None = None,
-        env: Mapping[str, str] | None = None,
-        models: Iterable[str] | None = None,
-        **kwargs: Any,
-    ) -> GatewayConfig:
-        """A config whose API keys come from a file, a list and ``TENSORGATE_API_KEYS`` (hashed)."""
-        hashes = load_key_hashes(keys_file=keys_file, keys=keys, env=env)
-        if not hashes:
-            logger.warning("gateway has no API keys configured: every /v1 request will get 401")
-        if models is not None:
-            kwargs["models"] = tuple(models)
-        return cls(api_key_hashes=hashes, **kwargs)
 
 
-Route = Callable[[Request, Response], Awaitable[None]]
+class Relay:
+    """One request's life, from router lease to the client's last byte; counts outcomes into ``outcomes``."""
 
-
-class Gateway:
-    """Serves ``/v1/chat/completions``, ``/v1/models``, ``/v1/status`` and ``/health``."""
-
-    def __init__(self, config: GatewayConfig, router: Router, upstream: Upstream) -> None:
+    def __init__(self, config: RelayConfig, router: Router, upstream: Upstream, outcomes: Counter[str]) -> None:
         self.config = config
         self.router = router
         self.upstream = upstream
-        self.auth = ApiKeyAuth(config.api_key_hashes)
-        self.limits = SchemaLimits(models=tuple(config.models), default_max_tokens=config.default_max_tokens,
-                                   max_tokens_cap=config.max_tokens_cap)
-        self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
-        self._routes: dict[str, dict[str, Route]] = {
-            "/v1/chat/completions": {"POST": self._chat},
-            "/v1/models": {"GET": self._models},
-            "/v1/status": {"GET": self._status},
-            "/health": {"GET": self._health},
-        }
-        self._server: HttpServer | None = None
+        self.outcomes = outcomes
 
-    # -- lifecycle -------------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        server = HttpServer(self._handle, host=self.config.host, port=self.config.port,
-                            max_body_bytes=self.config.max_body_bytes,
-                            keepalive_timeout=self.config.keepalive_timeout,
-                            shutdown_timeout=self.config.shutdown_timeout, check_head=self._check_head,
-                            on_refusal=self._count_refusal)
-        await server.start()
-        self._server = server
-        if self.config.freeze_heap:
-            gc.collect()
-            gc.freeze()
-        logger.info("gateway listening on http://{}:{}", self.config.host, server.port)
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            await self._server.stop()
-            self._server = None
-
-    @property
-    def port(self) -> int:
-        if self._server is None:
-            raise RuntimeError("gateway not started")
-        return self._server.port
-
-    # -- routing and small routes ----------------------------------------------------------------
-
-    async def _handle(self, request: Request, resp: Response) -> None:
-        """Route by path and method; a refusal (``GatewayError``) becomes its OpenAI-shaped JSON answer."""
-        try:
-            methods = self._routes.get(request.path)
-            if methods is None:
-                raise GatewayError(404, "Not Found", code="not_found")
-            route = methods.get("GET" if request.method == "HEAD" else request.method)
-            if route is None:
-                allow = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
-                raise GatewayError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": allow})
-            await route(request, resp)
-        except GatewayError as e:
-            if resp.started:  # refusals all come before the first byte; this would be a bug
-                raise
-            self.outcomes[str(e.status)] += 1
-            resp.send_json(e.status, e.body(), headers=e.headers)
-
-    def _check_head(self, method: str, path: str, headers: dict[str, str]) -> Refusal | None:
-        """A completion request without a valid API key is refused before its body is read."""
-        if path != "/v1/chat/completions" or self.auth.check(headers.get("authorization")):
-            return None
-        e = unauthorized()
-        return Refusal(e.status, e.message, e.code or "", type=e.type, headers=e.headers)
-
-    def _count_refusal(self, status: int) -> None:
-        self.outcomes[str(status)] += 1
-
-    def _authorize(self, request: Request) -> None:
-        if not self.auth.check(request.headers.get("authorization")):
-            raise unauthorized()
-
-    async def _health(self, request: Request, resp: Response) -> None:
-        resp.send_json(200, {"status": "ok", "miners": len(self.router), "in_flight": self.router.total_in_flight()})
-
-    async def _models(self, request: Request, resp: Response) -> None:
-        self._authorize(request)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "tensorgate"} for m in self.config.models]
-        resp.send_json(200, {"object": "list", "data": data})
-
-    async def _status(self, request: Request, resp: Response) -> None:
-        self._authorize(request)
-        miners = []
-        for m in self.router.miners():
-            st = self.upstream.stats.get(m.uid)
-            miners.append({
-                "uid": m.uid,
-                "hotkey": m.hotkey,
-                "endpoint": m.endpoint,
-                "slots": m.slots,
-                "in_flight": m.in_flight,
-                "score": m.score,  # None: not measured yet, routed at the prior
-                "served": m.served,
-                "requests": st.requests if st else 0,
-                "ok": st.ok if st else 0,
-                "failures": dict(st.failures) if st else {},
-                "ttft_p50_s": st.ttft_p50() if st else None,
-            })
-        resp.send_json(200, {"in_flight": self.router.total_in_flight(), "dispatched": self.upstream.dispatched,
-                             "outcomes": dict(self.outcomes), "miners": miners})
-
-    # -- chat completions ------------------------------------------------------------------------
-
-    async def _chat(self, request: Request, resp: Response) -> None:
-        self._authorize(request)  # the body is already read, within max_body_bytes (else the server said 413)
-        try:
-            body = json.loads(request.body)
-        except (ValueError, RecursionError):
-            raise invalid_json() from None
-        req = parse_chat_request(body, self.limits)
-        await self._dispatch(resp, req)
-
-    async def _dispatch(self, resp: Response, req: ChatRequest) -> None:
+    async def dispatch(self, resp: Response, req: ChatRequest) -> None:
+        """Serve ``req`` from the first miner that produces content, trying others before the first byte."""
         payload = req.upstream_payload()
         tried: set[int] = set()
         failures: list[UpstreamError] = []
@@ -414,16 +255,16 @@ def _exhausted(failures: list[UpstreamError]) -> GatewayError:
     """The answer when no miner produced a byte: 429 when none had room, else 504/502 by the last failure."""
     if not failures:
         return no_capacity("no miner is available for this request; retry shortly")
-    real = [f for f in failures if f.reason != FAIL_BUSY]
+    real = [f for f in failures if f.reason != FailureReason.BUSY]
     if not real:
         return no_capacity(f"all {len(failures)} miners tried are busy; retry shortly")
     last = real[-1]
-    if last.reason == FAIL_TIMEOUT:
+    if last.reason == FailureReason.TIMEOUT:
         return gateway_timeout(f"the miner did not answer in time ({len(failures)} tried)")
     return bad_gateway(f"the miner failed before answering: {last.reason} ({len(failures)} tried)")
 
 
 def _mid_stream_error(e: UpstreamError) -> GatewayError:
-    if e.reason == FAIL_TIMEOUT:
+    if e.reason == FailureReason.TIMEOUT:
         return gateway_timeout("the miner stalled mid-answer")
     return bad_gateway(f"the miner failed mid-answer: {e.reason}", code="upstream_failed_mid_stream")

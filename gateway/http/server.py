@@ -56,8 +56,8 @@ from typing import Any, cast
 import httptools
 from loguru import logger
 
-from .errors import error_body
-from .http_wire import header_fields
+from ..protocol.errors import error_body
+from .wire import header_fields
 
 Handler = Callable[["Request", "Response"], Awaitable[None]]
 

@@ -1,4 +1,4 @@
-"""What the gateway measured about one request, and the one narrow hand-off to scoring.
+"""What the validator measured about one request, and the one narrow hand-off from the gateway to scoring.
 
 Data flows one way: the gateway's upstream code produces a :class:`Measurement` per dispatched
 request (organic or probe, success or failure) and calls ``sink.record(m)``. Scoring consumes them.
@@ -17,21 +17,33 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from loguru import logger
 
-# Failure reasons, recorded as the miner's failure (never the client's).
-FAIL_BUSY = "busy"  # miner answered 429 (not scored as a failure: the miner told the truth)
-FAIL_CONNECT = "connect"  # could not connect / connection refused
-FAIL_HTTP = "http_status"  # non-200 answer other than 429
-FAIL_TIMEOUT = "timeout"  # no first token, or stalled, within the deadline
-FAIL_DROPPED = "dropped"  # stream ended before [DONE] / finish
-FAIL_GARBAGE = "garbage"  # invalid JSON, invalid UTF-8, wrong shape, oversized chunk, NaN
-FAIL_OVERLONG = "overlong"  # more tokens than max_tokens
-FAIL_EMPTY = "empty"  # finished without any content
-# Not the miner's fault: recorded for accounting, excluded from credit.
-CLIENT_DISCONNECT = "client_disconnect"
+
+class FailureReason(StrEnum):
+    """Why a dispatch did not produce a complete answer; every one but two is the miner's failure.
+
+    A ``StrEnum`` so the value is the stable string persisted in SQLite and shown in round tables and
+    ``/v1/status``, while code compares members, never loose strings.
+    """
+
+    BUSY = "busy"  # miner answered 429 (not scored as a failure: the miner told the truth)
+    CONNECT = "connect"  # could not connect / connection refused
+    HTTP_STATUS = "http_status"  # non-200 answer other than 429
+    TIMEOUT = "timeout"  # no first token, or stalled, within the deadline
+    DROPPED = "dropped"  # stream ended before [DONE] / finish
+    GARBAGE = "garbage"  # invalid JSON, invalid UTF-8, wrong shape, oversized chunk, NaN
+    OVERLONG = "overlong"  # more tokens than max_tokens
+    EMPTY = "empty"  # finished without any content
+    CLIENT_DISCONNECT = "client_disconnect"  # not the miner's fault: recorded for accounting, excluded from credit
+
+    @property
+    def blames_miner(self) -> bool:
+        """Whether this outcome costs the miner credit (a truthful 429 and a client leaving do not)."""
+        return self not in (FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +67,7 @@ class Measurement:
     latency_s: float
     completion_tokens: int
     ok: bool
-    failure: str | None = None
+    failure: FailureReason | None = None
     probe: bool = False
     concurrency: float | None = None
     at: float = field(default_factory=time.time)
