@@ -38,7 +38,6 @@ False: its client is behind); ``next_batch`` then carries on with whatever came 
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
@@ -51,15 +50,14 @@ from loguru import logger
 from scoring.measurement import FailureReason, Measurement, MeasurementSink
 
 from .http.client import MinerConnection, MinerHTTPError, MinerPool, encode_request
-from .protocol.openai import estimate_prompt_tokens, requested_max_tokens
+from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens
 from .protocol.signing import RequestSigner
 from .protocol.sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
+from .protocol.tokens import estimate_prompt_tokens
 from .router import Lease, MinerState
 
-PATH = "/v1/chat/completions"
-SLOTS_HEADER = "x-miner-slots"  # advisory: clamped by the router (header names arrive lower-cased)
+_SLOTS = SLOTS_HEADER.lower()  # advisory: clamped by the router (header names arrive lower-cased)
 PAUSE_CHUNKS = 1024  # decoded chunks waiting for the consumer before reading from the miner pauses
-_BODY_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once, not per request
 
 
 class _DeadlinePassed(Exception):
@@ -80,7 +78,7 @@ class UpstreamTimeouts:
 class UpstreamLimits:
     max_line_bytes: int = 64 * 1024
     max_content_chars: int = 4096  # one chunk's delta.content; a token is a few characters
-    default_max_tokens: int = 256  # for payloads that name no max_tokens
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # for payloads that name no max_tokens
 
 
 class UpstreamError(Exception):
@@ -107,23 +105,6 @@ class MinerStats:
 
     def ttft_p50(self) -> float | None:
         return statistics.median(self.ttfts) if self.ttfts else None
-
-
-_LEADING = ("model", "messages")
-_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "stop", "seed")
-_FORCED = ("max_tokens", "max_completion_tokens", "stream", "stream_options")
-
-
-def _canonical_body(payload: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """The miner-bound body in one fixed key order, so probes and organic requests look alike."""
-    body: dict[str, Any] = {k: payload[k] for k in _LEADING if k in payload}
-    body["max_tokens"] = max_tokens
-    body.update((k, payload[k]) for k in _SAMPLING if k in payload)
-    known = {*_LEADING, *_SAMPLING, *_FORCED}
-    body.update((k, payload[k]) for k in sorted(payload) if k not in known)
-    body["stream"] = True
-    body["stream_options"] = {"include_usage": True}
-    return body
 
 
 class Upstream:
@@ -211,10 +192,10 @@ class UpstreamStream:
         self._tmo = timeouts
         limits = upstream.limits
         self.max_tokens = requested_max_tokens(payload, limits.default_max_tokens)
-        body = _canonical_body(payload, self.max_tokens)
+        body = miner_body(payload, self.max_tokens)
         messages = body.get("messages")
         self.prompt_tokens = estimate_prompt_tokens(messages) if isinstance(messages, list) else 0
-        self._body = _BODY_ENCODER.encode(body).encode()
+        self._body = encode_body(body)
         self._parser = SSEParser(max_line_bytes=limits.max_line_bytes)
         self._decoder = ChunkDecoder(limits.max_content_chars)
         self._timer: asyncio.TimerHandle | None = None  # the one deadline timer, moved lazily
@@ -307,7 +288,7 @@ class UpstreamStream:
                 if isinstance(conn.error, MinerHTTPError):
                     raise self._fail(FailureReason.GARBAGE, detail=f"bad HTTP response: {conn.error}")
                 raise self._fail(FailureReason.CONNECT, detail=type(conn.error).__name__)
-            advertised = conn.headers.get(SLOTS_HEADER)
+            advertised = conn.headers.get(_SLOTS)
             if advertised is not None and self._up.on_slots is not None and advertised.isdigit():
                 self._up.on_slots(miner, int(advertised))
             status = conn.status
@@ -342,11 +323,11 @@ class UpstreamStream:
             raise self._fail(FailureReason.CONNECT, detail=type(e).__name__) from None
         self._conn = conn
         reused = conn.uses > 0
-        headers = self._up._signer.sign(path=PATH, body=self._body, receiver_ss58=miner.hotkey)
+        headers = self._up._signer.sign(path=CHAT_PATH, body=self._body, receiver_ss58=miner.hotkey)
         headers["Content-Type"] = "application/json"
         headers["Accept"] = "text/event-stream"
         try:
-            conn.send(encode_request("POST", PATH, miner.endpoint, headers, self._body), self)
+            conn.send(encode_request("POST", CHAT_PATH, miner.endpoint, headers, self._body), self)
         except ConnectionError as e:
             conn.error = e
             return conn, reused

@@ -25,12 +25,14 @@ from aiohttp import web
 from loguru import logger
 
 from .chain.local import LocalChain
-from .config import ValidatorConfig
 from .keys import dev_keypair
-from .miner import AllowList, start_miner
-from .sim_runtime import PROFILES, SimulatedRuntime
+from .miner.runtimes.sim import PROFILES, SimulatedRuntime
+from .miner.server import start_miner
+from .miner.trust import AllowList
 from .traffic import OrganicTraffic
-from .validator import Validator
+from .validator.build import build_validator
+from .validator.config import ValidatorConfig
+from .validator.neuron import Validator
 
 VALIDATOR_URI = "Alice"
 
@@ -68,7 +70,8 @@ async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -
                             weights_rate_limit=max(1, cfg.weights_interval_blocks // 2))
     substrate = chain.substrate
     substrate.register(vkey.ss58_address, vkey.ss58_address, endpoint=None, validator_permit=True, stake=10_000.0)
-    subnet = LocalSubnet(cfg=cfg, chain=chain, validator=None)  # type: ignore[arg-type]
+    runners: list[web.AppRunner] = []
+    miners: list[tuple[int, str, str]] = []
     try:
         trust = AllowList({vkey.ss58_address})
         for i in range(cfg.local_miners):
@@ -76,16 +79,18 @@ async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -
             mkey = dev_keypair(f"Miner{i + 1}")
             runtime = SimulatedRuntime(PROFILES[profile], rng=random.Random(rng.random()))
             runner, port = await start_miner(mkey, runtime, slots=4, trust=trust, host="127.0.0.1", port=0)
-            subnet.runners.append(runner)
+            runners.append(runner)
             uid = substrate.register(mkey.ss58_address, mkey.ss58_address, endpoint=f"127.0.0.1:{port}",
                                      validator_permit=False, stake=0.0)
-            subnet.miners.append((uid, mkey.ss58_address, profile))
-        subnet.api_key = "sk-local-" + secrets.token_hex(8)
-        subnet.validator = Validator(cfg, chain, vkey, api_keys=[subnet.api_key], rng=random.Random(rng.random()))
+            miners.append((uid, mkey.ss58_address, profile))
+        api_key = "sk-local-" + secrets.token_hex(8)
+        validator = build_validator(cfg, chain, vkey, api_keys=[api_key], rng=random.Random(rng.random()))
     except BaseException:
-        await stop_local_subnet(subnet)
+        for r in runners:
+            await r.cleanup()
+        await chain.close()
         raise
-    return subnet
+    return LocalSubnet(cfg=cfg, chain=chain, validator=validator, miners=miners, runners=runners, api_key=api_key)
 
 
 async def stop_local_subnet(subnet: LocalSubnet) -> None:
@@ -129,7 +134,7 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
             )
             traffic_task = asyncio.create_task(subnet.traffic.run(), name="organic-traffic")
             want = subnet.cfg.local_rounds
-            while want is None or len(v.rounds) < want:
+            while want is None or v.rounds_closed < want:
                 await asyncio.sleep(0.2)
                 if traffic_task.done():
                     traffic_task.result()
@@ -150,17 +155,17 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
 
 
 async def _await_weights(v: Validator, timeout_s: float) -> None:
-    n = len(v.weights_set)
+    n = v.weights_submitted
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
-    while len(v.weights_set) == n and loop.time() < end:  # noqa: ASYNC110 - polls another task's list
+    while v.weights_submitted == n and loop.time() < end:  # noqa: ASYNC110 - polls another task's counter
         await asyncio.sleep(0.1)
 
 
 def _print_summary(subnet: LocalSubnet) -> None:
     v = subnet.validator
     last = v.weights_set[-1] if v.weights_set else None
-    lines = [f"local subnet stopped after {len(v.rounds)} rounds"]
+    lines = [f"local subnet stopped after {v.rounds_closed} rounds"]
     if subnet.traffic is not None:
         lines.append(f"organic requests: {dict(subnet.traffic.counts)}")
     if last is None:

@@ -22,7 +22,7 @@ from collections import Counter
 import aiohttp
 from loguru import logger
 
-from .prompts import PromptGenerator
+from .validator.prompts import PromptGenerator
 
 
 class OrganicTraffic:

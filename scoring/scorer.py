@@ -1,9 +1,10 @@
 """The scorer: measurements in, round reports, routing credits and weights out.
 
-It is the gateway's :class:`~scoring.measurement.MeasurementSink`: ``record`` folds a measurement
-into the round in progress in O(1) and never raises into the serving path. ``close_round`` turns
-the round into a :class:`RoundReport`, pushes it into the trailing :class:`Settlement` and persists
-it (one transaction) when a store is attached.
+It is a :class:`~scoring.measurement.MeasurementSink`: ``record`` folds a measurement into the round
+in progress in O(1) and never raises. ``close_round`` turns the round into a :class:`RoundReport` and
+pushes it into the trailing :class:`Settlement`. The scorer does no I/O: the report carries what to
+persist (``report.saved``), and the validator writes it with :meth:`ScoreStore.save_round` on the
+store's own thread, so a synchronous SQLite commit never stalls the event loop that relays streams.
 
 Routing scores, republished each round: a miner with requests in the round just closed is routed
 by that round's score (the freshest evidence, so a card that slows down loses traffic within one
@@ -19,9 +20,11 @@ counted. An older store is left on disk but not used for settlement or routing.
 
 Example::
 
-    scorer = Scorer(CreditConfig(), ScoreStore(state_dir), window=12)
-    scorer.record(measurement)                    # from the gateway, per request
+    scorer = Scorer(CreditConfig(), window=12)
+    scorer.restore(ScoreStore(state_dir))         # once, at start (the validator runs it in a thread)
+    scorer.record(measurement)                    # per request, drained from the measurement queue
     report = scorer.close_round(time.time())      # every round
+    store.save_round(*report.saved)               # persisted off the event loop
     router.set_scores(scorer.routing_scores())
     weights = scorer.weights(hotkey_to_uid)       # {uid: weight}; empty -> do not set weights
     print(report.format_table(weights=weights))
@@ -69,6 +72,8 @@ class RoundReport:
     ended_at: float
     rows: list[MinerReport]
     dropped: int = 0  # measurements that could not be recorded (should stay 0)
+    # What ScoreStore.save_round takes: the round, the routing credits republished with it, their uids.
+    saved: tuple[StoredRound, dict[str, float], dict[str, int]] | None = None
 
     def by_hotkey(self) -> dict[str, MinerReport]:
         return {r.hotkey: r for r in self.rows}
@@ -105,14 +110,12 @@ class Scorer:
     def __init__(
         self,
         config: CreditConfig | None = None,
-        store: ScoreStore | None = None,
         window: int = 12,
         clock: Callable[[], float] = time.time,
         *,
         restore_max_age_s: float = 3600.0,
     ) -> None:
         self.config = config or CreditConfig()
-        self.store = store
         self.clock = clock
         self.restore_max_age_s = restore_max_age_s
         self.settlement = Settlement(window)
@@ -122,21 +125,23 @@ class Scorer:
         self._next_index = 1
         self._dropped = 0
         self.restored = False
-        if store is not None:
-            self._restore(store)
 
     # -- restore ---------------------------------------------------------------------------------
 
-    def _restore(self, store: ScoreStore) -> None:
+    def restore(self, store: ScoreStore) -> bool:
+        """Take round numbering, and when recent enough the window and routing credits, from ``store``.
+
+        Blocking (SQLite reads): call it before serving, or on a worker thread.
+        """
         self._next_index = store.next_round_index()
         last = store.last_round_at()
         if last is None:
-            return
+            return False
         age = self.clock() - last
         if age > self.restore_max_age_s:
             logger.info("scoring state in {} is {:.0f} s old (> {:.0f} s): starting a fresh settlement window",
                         store.path, age, self.restore_max_age_s)
-            return
+            return False
         rounds = store.load_rounds(self.settlement.window)
         for r in rounds:
             self.settlement.push(r.scores())
@@ -147,6 +152,7 @@ class Scorer:
         self.restored = True
         logger.info("scoring state restored from {}: {} rounds, routing credits for {} miners ({:.0f} s old)",
                     store.path, len(rounds), len(routing), age)
+        return True
 
     # -- the sink --------------------------------------------------------------------------------
 
@@ -162,7 +168,7 @@ class Scorer:
     # -- rounds ----------------------------------------------------------------------------------
 
     def close_round(self, now: float | None = None) -> RoundReport:
-        """Close the round in progress: settle it, republish routing scores, persist it."""
+        """Close the round in progress: settle it and republish routing scores (``report.saved`` to persist)."""
         ended_at = self.clock() if now is None else now
         acc, self._round = self._round, RoundAccumulator(self.config)
         dropped, self._dropped = self._dropped, 0
@@ -188,12 +194,8 @@ class Scorer:
                                     dict(row.failures), row.probes, row.organic))
             stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
                                       dict(row.failures)))
-        report = RoundReport(self._next_index, ended_at, rows, dropped)
-        if self.store is not None:
-            try:
-                self.store.save_round(StoredRound(self._next_index, ended_at, stored), self._routing, self._uids)
-            except Exception as e:  # keep scoring in memory; the next round tries again
-                logger.error("scoring state: could not save round {} to {}: {}", self._next_index, self.store.path, e)
+        saved = (StoredRound(self._next_index, ended_at, stored), dict(self._routing), dict(self._uids))
+        report = RoundReport(self._next_index, ended_at, rows, dropped, saved)
         self._next_index += 1
         return report
 

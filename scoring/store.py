@@ -133,7 +133,11 @@ def _opt_float(x: float | None) -> float | None:
 
 
 class ScoreStore:
-    """The scoring database. One connection, used from one thread (the validator's event loop).
+    """The scoring database: one connection, every call blocking.
+
+    The validator makes every call from one worker thread of its own (never the event loop, where a
+    ``synchronous=FULL`` commit would stall every stream), so calls are serialised; the connection is
+    opened with ``check_same_thread=False`` because that thread is not the one tests use.
 
     ``path`` is the database file, or an existing directory (the file is then ``scoring.sqlite``
     in it). ``keep_rounds`` bounds the history kept on disk; only the last window is ever loaded.
@@ -152,7 +156,7 @@ class ScoreStore:
 
     def _open(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+            conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0, check_same_thread=False)
         except sqlite3.Error as e:
             raise CorruptStateError(self.path, f"cannot open the database ({e})") from e
         try:

@@ -11,11 +11,11 @@ import aiohttp
 import pytest
 from bittensor.sp_core import Keypair
 
-from gateway.app import Gateway, GatewayConfig
-from gateway.http.client import MinerPool
-from gateway.protocol.signing import RequestSigner
+from gateway.app import Gateway
 from gateway.router import Candidate, Router
 from gateway.upstream import Upstream, UpstreamTimeouts
+from neurons.validator.build import ValidatorParts, build_parts
+from neurons.validator.config import ValidatorConfig
 from scoring.measurement import MeasurementQueue
 from tests.fakes import MODEL, DeadMiner, FakeMiner, LoopbackMiner, Script
 
@@ -65,7 +65,7 @@ class SimMiner(LoopbackMiner):
     keypair: Any
     slots: int
     port: int
-    server: Any  # neurons.miner.MinerServer: .busy, .served, .refused_busy
+    server: Any  # neurons.miner.server.MinerServer: .busy, .served, .refused_busy
     runner: Any
 
 
@@ -73,8 +73,9 @@ class SimMiner(LoopbackMiner):
 async def make_sim_miner(
     alice: Keypair, miner_keys: list[Keypair]
 ) -> AsyncIterator[Callable[..., Awaitable[SimMiner]]]:
-    from neurons.miner import MINER_KEY, AllowList, start_miner
-    from neurons.sim_runtime import SimulatedRuntime, parse_profile
+    from neurons.miner.runtimes.sim import SimulatedRuntime, parse_profile
+    from neurons.miner.server import MINER_KEY, start_miner
+    from neurons.miner.trust import AllowList
 
     started: list[SimMiner] = []
 
@@ -124,31 +125,29 @@ class Harness:
 
 @pytest.fixture
 async def make_gateway(alice: Keypair) -> AsyncIterator[Callable[..., Awaitable[Harness]]]:
-    made: list[tuple[Harness, aiohttp.ClientSession]] = []
+    """The validator's serving path, wired by the validator's own :func:`build_parts`, over given miners."""
+    made: list[tuple[Harness, ValidatorParts]] = []
 
     async def make(miners: Sequence[FakeMiner | DeadMiner], *, scores: dict[str, float] | None = None,
-                   timeouts: UpstreamTimeouts = FAST, seed: int = 0, **cfg: Any) -> Harness:
-        router = Router(rng=random.Random(seed))
+                   timeouts: UpstreamTimeouts = FAST, seed: int = 0, max_retries: int = 2, **gw: Any) -> Harness:
+        cfg = ValidatorConfig(gateway_port=0, models=[MODEL], max_retries=max_retries)
+        gw.setdefault("freeze_heap", False)
+        parts = build_parts(cfg, alice, api_keys=[API_KEY], router=Router(rng=random.Random(seed)),
+                            timeouts=timeouts, env={}, **gw)
+        router = parts.router
         uids = {m.tag: i + 1 for i, m in enumerate(miners)}
         router.sync([Candidate(uid=uids[m.tag], hotkey=m.hotkey, endpoint=m.endpoint, slots=getattr(m, "slots", 1))
                      for m in miners])
         if scores:
             router.set_scores({m.hotkey: scores[m.tag] for m in miners if m.tag in scores})
-        pool = MinerPool()
-        sink = MeasurementQueue()
-        upstream = Upstream(pool, RequestSigner(alice), sink, timeouts=timeouts)
-        cfg.setdefault("freeze_heap", False)
-        config = GatewayConfig.from_sources(port=0, models=[MODEL], keys=[API_KEY], env={}, **cfg)
-        gw = Gateway(config, router, upstream)
-        await gw.start()
+        await parts.gateway.start()
         client = aiohttp.ClientSession()
-        h = Harness(gateway=gw, router=router, upstream=upstream, sink=sink, client=client, uids=uids,
-                    items=list(miners))
-        made.append((h, pool))
+        h = Harness(gateway=parts.gateway, router=router, upstream=parts.upstream, sink=parts.measurements,
+                    client=client, uids=uids, items=list(miners))
+        made.append((h, parts))
         return h
 
     yield make
-    for h, pool in made:
+    for h, parts in made:
         await h.client.close()
-        await h.gateway.stop()
-        await pool.close()
+        await parts.aclose()

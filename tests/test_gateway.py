@@ -683,7 +683,7 @@ async def test_probe_and_organic_bodies_look_alike(make_miner, make_gateway):
         assert r.status == 200
     lease = h.router.acquire_uid(1)
     assert lease is not None
-    try:  # a probe payload as neurons.prompts builds it: different key order, "stream" already set
+    try:  # a probe payload as neurons.validator.prompts builds it: different key order, "stream" already set
         await h.upstream.probe(lease, {"stream": True, "temperature": 0.5, "max_tokens": 2, "model": MODEL,
                                        "messages": organic["messages"]})
     finally:

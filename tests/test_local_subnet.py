@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from neurons import weights as weights_cmd
-from neurons.config import ValidatorConfig
 from neurons.local_subnet import run_local_subnet, start_local_subnet, stop_local_subnet
+from neurons.validator.config import ValidatorConfig
 
 ROUNDS = 4
 
@@ -67,7 +67,8 @@ async def test_restart_restores_routing_without_settling(finished_run: Path) -> 
     subnet = await start_local_subnet(_cfg(finished_run), seed=8)
     v = subnet.validator
     try:
-        assert v.scorer.restored
+        await v.open_state()
+        assert v.scorer.restored and v.store is not None
         rounds_before = len(v.store.load_rounds(100))
         assert rounds_before == ROUNDS
         await v.start()
@@ -78,7 +79,7 @@ async def test_restart_restores_routing_without_settling(finished_run: Path) -> 
         assert scores[4] < min(scores[1], scores[2], scores[3])
         # Nothing was invented for the downtime: no round was added by restarting.
         assert len(v.store.load_rounds(100)) == rounds_before
-        assert v.rounds == []
+        assert v.rounds_closed == 0
     finally:
         await v.stop()
         await stop_local_subnet(subnet)

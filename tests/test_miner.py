@@ -19,11 +19,14 @@ import bittensor as bt
 import pytest
 from aiohttp import web
 
+from gateway.protocol.openai import CHAT_PATH
 from neurons.chain.base import NeuronInfo
 from neurons.keys import MissingKeyError, dev_keypair, load_hotkey
-from neurons.miner import CHAT_PATH, MINER_KEY, AllowList, MinerServer, PermitTrust, main, parse_args, start_miner
-from neurons.runtime_proxy import ProxyRuntime, ProxyTimeouts
-from neurons.sim_runtime import CardProfile, RuntimeFailure, SimulatedRuntime
+from neurons.miner.cli import main, parse_args
+from neurons.miner.runtimes.proxy import ProxyRuntime, ProxyTimeouts
+from neurons.miner.runtimes.sim import CardProfile, RuntimeFailure, SimulatedRuntime
+from neurons.miner.server import MINER_KEY, MinerServer, start_miner
+from neurons.miner.trust import AllowList, PermitTrust
 
 VALI = dev_keypair("Alice")
 MINER = dev_keypair("Bob")

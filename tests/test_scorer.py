@@ -32,12 +32,24 @@ def failed(hotkey: str, uid: int, reason: str) -> Measurement:
                        latency_s=0.05, completion_tokens=0, ok=False, failure=reason)
 
 
-def play_round(s: Scorer, clock: Clock, per_miner: dict[tuple[str, int], list[float]]):
+def play_round(s: Scorer, clock: Clock, per_miner: dict[tuple[str, int], list[float]],
+               store: ScoreStore | None = None):
+    """One round; with a store, persisted as the validator does it (``store.save_round(*report.saved)``)."""
     for (hk, uid), ttfts in per_miner.items():
         for t in ttfts:
             s.record(ok(hk, uid, t))
     clock.t += ROUND_S
-    return s.close_round(clock.t)
+    report = s.close_round(clock.t)
+    if store is not None:
+        assert report.saved is not None
+        store.save_round(*report.saved)
+    return report
+
+
+def restored(store: ScoreStore, **kw) -> Scorer:
+    s = Scorer(CreditConfig(), **kw)
+    s.restore(store)
+    return s
 
 
 def test_scorer_is_a_measurement_sink_that_never_raises() -> None:
@@ -122,9 +134,9 @@ def test_format_table() -> None:
 def test_rounds_are_persisted(tmp_path: Path) -> None:
     clock = Clock()
     with ScoreStore(tmp_path) as st:
-        s = Scorer(CreditConfig(), st, clock=clock)
-        play_round(s, clock, {("a", 1): [0.2, 0.2], ("b", 2): [1.0]})
-        play_round(s, clock, {("a", 1): [0.2]})
+        s = restored(st, clock=clock)
+        play_round(s, clock, {("a", 1): [0.2, 0.2], ("b", 2): [1.0]}, st)
+        play_round(s, clock, {("a", 1): [0.2]}, st)
         rounds = st.load_rounds(12)
         assert [r.index for r in rounds] == [1, 2]
         assert rounds[0].scores() == {"a": 1.0, "b": pytest.approx(0.5)}
@@ -134,34 +146,24 @@ def test_rounds_are_persisted(tmp_path: Path) -> None:
         assert routing == s.routing_scores() and at == clock.t
 
 
-def test_save_failure_is_logged_not_raised(tmp_path: Path) -> None:
-    clock = Clock()
-    st = ScoreStore(tmp_path)
-    s = Scorer(CreditConfig(), st, clock=clock)
-    st.close()
-    report = play_round(s, clock, {("a", 1): [0.2]})
-    assert report.rows[0].credit == 1.0
-    assert s.routing_scores() == {"a": 1.0}
-
-
 def test_restore_recent_state_without_paying_missed_rounds(tmp_path: Path) -> None:
     clock = Clock()
     with ScoreStore(tmp_path) as st:
-        s1 = Scorer(CreditConfig(), st, window=12, clock=clock, restore_max_age_s=3600)
-        play_round(s1, clock, {("a", 1): [0.2], ("b", 2): [1.0]})
-        play_round(s1, clock, {("a", 1): [0.2], ("b", 2): [0.2]})
-        play_round(s1, clock, {("a", 1): [1.0]})
+        s1 = restored(st, window=12, clock=clock, restore_max_age_s=3600)
+        play_round(s1, clock, {("a", 1): [0.2], ("b", 2): [1.0]}, st)
+        play_round(s1, clock, {("a", 1): [0.2], ("b", 2): [0.2]}, st)
+        play_round(s1, clock, {("a", 1): [1.0]}, st)
         settled_before, routing_before = s1.settled(), s1.routing_scores()
     assert settled_before == {"a": pytest.approx(2.5 / 3), "b": pytest.approx(1.5 / 3)}
 
     clock.t += 1800  # down for 30 minutes: six rounds that never ran
     with ScoreStore(tmp_path) as st:
-        s2 = Scorer(CreditConfig(), st, window=12, clock=clock, restore_max_age_s=3600)
+        s2 = restored(st, window=12, clock=clock, restore_max_age_s=3600)
         assert s2.restored
         assert s2.settled() == settled_before  # not diluted by the downtime
         assert s2.routing_scores() == routing_before  # routable at once
         assert s2.weights({"a": 1, "b": 2}) == {1: pytest.approx(2.5 / 4), 2: pytest.approx(1.5 / 4)}
-        report = play_round(s2, clock, {("a", 1): [0.2]})
+        report = play_round(s2, clock, {("a", 1): [0.2]}, st)
         assert report.index == 4  # rounds continue; none invented for the downtime
         assert s2.settled() == {"a": pytest.approx(3.5 / 4), "b": pytest.approx(1.5 / 4)}
         assert [r.index for r in st.load_rounds(100)] == [1, 2, 3, 4]
@@ -170,16 +172,16 @@ def test_restore_recent_state_without_paying_missed_rounds(tmp_path: Path) -> No
 def test_restore_skips_stale_state_but_keeps_it_on_disk(tmp_path: Path) -> None:
     clock = Clock()
     with ScoreStore(tmp_path) as st:
-        s1 = Scorer(CreditConfig(), st, clock=clock)
-        play_round(s1, clock, {("a", 1): [0.2]})
-        play_round(s1, clock, {("a", 1): [0.2]})
+        s1 = restored(st, clock=clock)
+        play_round(s1, clock, {("a", 1): [0.2]}, st)
+        play_round(s1, clock, {("a", 1): [0.2]}, st)
     clock.t += 7200
     with ScoreStore(tmp_path) as st:
-        s2 = Scorer(CreditConfig(), st, clock=clock, restore_max_age_s=3600)
+        s2 = restored(st, clock=clock, restore_max_age_s=3600)
         assert not s2.restored
         assert s2.settled() == {} and s2.routing_scores() == {}
         assert s2.weights({"a": 1}) == {}
-        report = play_round(s2, clock, {("b", 2): [0.2]})
+        report = play_round(s2, clock, {("b", 2): [0.2]}, st)
         assert report.index == 3
         assert s2.settled() == {"b": 1.0}
         assert [r.index for r in st.load_rounds(100)] == [1, 2, 3]
@@ -188,10 +190,10 @@ def test_restore_skips_stale_state_but_keeps_it_on_disk(tmp_path: Path) -> None:
 def test_restore_window_is_bounded(tmp_path: Path) -> None:
     clock = Clock()
     with ScoreStore(tmp_path) as st:
-        s1 = Scorer(CreditConfig(), st, window=3, clock=clock)
-        play_round(s1, clock, {("old", 1): [0.2]})
+        s1 = restored(st, window=3, clock=clock)
+        play_round(s1, clock, {("old", 1): [0.2]}, st)
         for _ in range(3):
-            play_round(s1, clock, {("a", 2): [0.2]})
+            play_round(s1, clock, {("a", 2): [0.2]}, st)
     with ScoreStore(tmp_path) as st:
-        s2 = Scorer(CreditConfig(), st, window=3, clock=clock)
+        s2 = restored(st, window=3, clock=clock)
         assert s2.settled() == {"a": 1.0}

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from gateway.router import Candidate
-from neurons.sim_runtime import PROFILES
+from neurons.miner.runtimes.sim import PROFILES
 from scoring.credit import CreditConfig, request_credit
 from scoring.measurement import Measurement
 

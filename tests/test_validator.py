@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from gateway.protocol.openai import estimate_prompt_tokens
+from gateway.protocol.tokens import estimate_prompt_tokens
 from neurons.chain.base import ChainParams, NeuronInfo, WeightsOutcome
-from neurons.config import ValidatorConfig, parse_args
 from neurons.keys import dev_keypair
-from neurons.probes import plan_round
-from neurons.prompts import PromptGenerator
 from neurons.supervise import supervise
-from neurons.validator import Validator, candidates
+from neurons.validator.build import build_validator
+from neurons.validator.config import ValidatorConfig, parse_args
+from neurons.validator.neuron import Validator, candidates
+from neurons.validator.probes import plan_round
+from neurons.validator.prompts import PromptGenerator
 
 
 def _n(uid: int, hotkey: str, *, endpoint: str | None = "127.0.0.1:1", permit: bool = False,
@@ -128,21 +129,23 @@ class FakeChain:
         return None
 
 
-def _validator_with_scores(tmp_path: Path, chain: FakeChain, **cfg_kw: object) -> Validator:
-    cfg = ValidatorConfig(state_dir=tmp_path, weights_interval_blocks=100, **cfg_kw)  # type: ignore[arg-type]
-    v = Validator(cfg, chain, dev_keypair("Alice"))
+async def _validator_with_scores(tmp_path: Path, chain: FakeChain, **cfg_kw: object) -> Validator:
+    cfg = ValidatorConfig(state_dir=tmp_path, weights_interval_blocks=100, gateway_port=0,
+                          **cfg_kw)  # type: ignore[arg-type]
+    v = build_validator(cfg, chain, dev_keypair("Alice"))
+    await v.open_state()
     v.hotkey_to_uid = {"m1": 1, "m2": 2, v.hotkey: 0}
     v.my_uid = 0
     v.scorer.settled = lambda: {"m1": 0.9, "m2": 0.3}  # type: ignore[method-assign]
-    v.rounds.append(object())  # type: ignore[arg-type]  # one round closed
+    v.rounds_closed = 1
     return v
 
 
 async def test_weight_failure_is_logged_and_retried_never_fatal(tmp_path: Path) -> None:
     chain = FakeChain([WeightsOutcome(ok=False, message="RATE_LIMITED"), WeightsOutcome(ok=True, message="ok")])
-    v = _validator_with_scores(tmp_path, chain)
+    v = await _validator_with_scores(tmp_path, chain)
     await v.maybe_set_weights()
-    assert len(chain.calls) == 1 and v.weights_set == []
+    assert len(chain.calls) == 1 and not v.weights_set
     chain.height += 1  # next opportunity: retried at once, not after a whole interval
     await v.maybe_set_weights()
     assert len(chain.calls) == 2 and len(v.weights_set) == 1
@@ -152,16 +155,16 @@ async def test_weight_failure_is_logged_and_retried_never_fatal(tmp_path: Path) 
     chain.height += 50  # inside the weights interval: nothing is sent
     await v.maybe_set_weights()
     assert len(chain.calls) == 2
-    assert v.store.last_weights_block() == 1001
-    v.store.close()
+    assert v.store is not None and v.store.last_weights_block() == 1001
+    await v.stop()
 
 
 async def test_dry_run_sets_nothing(tmp_path: Path) -> None:
     chain = FakeChain([])
-    v = _validator_with_scores(tmp_path, chain, weights_dry_run=True)
+    v = await _validator_with_scores(tmp_path, chain, weights_dry_run=True)
     await v.maybe_set_weights()
-    assert chain.calls == [] and v.weights_set == []
-    v.store.close()
+    assert chain.calls == [] and not v.weights_set
+    await v.stop()
 
 
 def test_operator_mistakes_exit_2_with_one_clear_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:

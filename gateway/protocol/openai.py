@@ -1,4 +1,4 @@
-"""Validates a client's chat-completions request and normalizes it into what miners are sent.
+"""The OpenAI chat-completions shapes: a client's request validated, and the one body miners are sent.
 
 The gateway forwards only fields it understands, with values it has range-checked, so a client can
 neither make a miner misbehave through odd parameters nor be billed for a silently ignored one.
@@ -10,17 +10,19 @@ Example::
     req = parse_chat_request({"model": "tensorgate/sim-5090",
                               "messages": [{"role": "user", "content": "hi"}]}, limits)
     req.max_tokens            # limits.default_max_tokens
-    req.upstream_payload()    # {"model": ..., "messages": [...], "max_tokens": 256, "stream": True,
-                              #  "stream_options": {"include_usage": True}}
+    req.upstream_payload()    # {"model": ..., "messages": [...], "max_tokens": 256}
+    miner_body(req.upstream_payload(), req.max_tokens)   # + "stream": True, "stream_options": {...}
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import bad_request, model_not_found
+from .tokens import estimate_prompt_tokens
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Accepted but not served: refusing is better than pretending.
@@ -28,6 +30,9 @@ UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "m
 
 
 DEFAULT_MAX_TOKENS = 256  # completion length when a request names none
+_BODY_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once, not per request
+CHAT_PATH = "/v1/chat/completions"  # the one route, on the gateway and on every miner
+SLOTS_HEADER = "X-Miner-Slots"  # a miner's declared concurrent capacity, on its answers (advisory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +56,34 @@ class ChatRequest:
     prompt_tokens: int = 0
 
     def upstream_payload(self) -> dict[str, Any]:
-        """The body sent to a miner: always streamed, always with usage, ``max_tokens`` explicit."""
-        return {
-            "model": self.model,
-            "messages": self.messages,
-            "max_tokens": self.max_tokens,
-            **self.sampling,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        """What the client asked a miner for; :func:`miner_body` makes it the body on the wire."""
+        return {"model": self.model, "messages": self.messages, "max_tokens": self.max_tokens, **self.sampling}
+
+
+_LEADING = ("model", "messages")
+_SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "stop", "seed")
+_FORCED = ("max_tokens", "max_completion_tokens", "stream", "stream_options")
+
+
+def miner_body(payload: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The one miner-bound body: fixed key order, ``max_tokens`` explicit, always streamed with usage.
+
+    Probes and organic requests both pass through here, so nothing in a body's shape tells a miner
+    which one it is serving.
+    """
+    body: dict[str, Any] = {k: payload[k] for k in _LEADING if k in payload}
+    body["max_tokens"] = max_tokens
+    body.update((k, payload[k]) for k in _SAMPLING if k in payload)
+    known = {*_LEADING, *_SAMPLING, *_FORCED}
+    body.update((k, payload[k]) for k in sorted(payload) if k not in known)
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """Compact JSON, NaN refused (a miner must never be sent what it cannot parse)."""
+    return _BODY_ENCODER.encode(body).encode()
 
 
 def requested_max_tokens(body: dict[str, Any], default: int = DEFAULT_MAX_TOKENS) -> int:
@@ -72,17 +96,6 @@ def requested_max_tokens(body: dict[str, Any], default: int = DEFAULT_MAX_TOKENS
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return default
-
-
-def estimate_prompt_tokens(messages: list[dict[str, Any]]) -> int:
-    """The validator's own prompt-size estimate: ~4 characters a token plus 4 per message."""
-    total = 0
-    for m in messages:
-        content = m.get("content", "")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        total += (len(str(content)) + 3) // 4 + 4
-    return total
 
 
 def _is_int(v: Any) -> bool:

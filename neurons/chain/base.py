@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+DEFAULT_MIN_VALIDATOR_STAKE = 1000.0  # alpha: a permit holder with this stake counts as a validator
+
 
 @dataclass(frozen=True, slots=True)
 class NeuronInfo:
@@ -21,6 +23,14 @@ class NeuronInfo:
     validator_permit: bool
     validator_trust: float
     stake: float  # total stake, in alpha/tao units as a float (informational)
+
+    def acts_as_validator(self, min_stake: float = DEFAULT_MIN_VALIDATOR_STAKE) -> bool:
+        """The one rule, for the validator (never route to a validator) and the miner (whom to serve).
+
+        On small subnets every neuron can hold a permit, so the permit alone does not make a
+        validator: it also needs validator trust or ``min_stake``.
+        """
+        return self.validator_permit and (self.validator_trust > 0.0 or self.stake >= min_stake)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 """The tensorgate gateway as a standalone process over given miner ports, for the benchmarks.
 
-Real routing (``gateway.router.Router``, weighted-random least-in-flight), real signing
-(``RequestSigner`` with btauth, one receiver hotkey per miner) and real measurement (``Upstream``
-recording into a ``MeasurementQueue`` that is drained twice a second, as the validator's scorer
-would consume it). It runs in its own process so its CPU and RSS can be read from ``/proc``.
+Wired by the validator's own :func:`neurons.validator.build.build_parts`: real routing (weighted-random
+least-in-flight), real signing (btauth, one receiver hotkey per miner) and real measurement, the
+measurement queue drained into the scorer twice a second as the validator drains it. It runs in its
+own process so its CPU and RSS can be read from ``/proc``.
 
 Prints ``READY {"port": ..., "pid": ...}`` once listening; exits when killed, when its parent dies,
 or after ``--max-seconds``::
@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -28,12 +27,9 @@ from loguru import logger
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_lib
 
 from bench_lib.fake_upstream import validator_keypair  # noqa: E402
-from gateway.app import Gateway, GatewayConfig  # noqa: E402
-from gateway.http.client import MinerPool  # noqa: E402
-from gateway.protocol.signing import RequestSigner  # noqa: E402
-from gateway.router import Candidate, Router  # noqa: E402
-from gateway.upstream import Upstream  # noqa: E402
-from scoring.measurement import MeasurementQueue  # noqa: E402
+from gateway.router import Candidate  # noqa: E402
+from neurons.validator.build import build_parts  # noqa: E402
+from neurons.validator.config import ValidatorConfig  # noqa: E402
 
 
 def parse_miner(spec: str, uid: int) -> Candidate:
@@ -48,25 +44,25 @@ def parse_miner(spec: str, uid: int) -> Candidate:
 async def serve(candidates: list[Candidate], key: str, models: list[str], seed: int, max_seconds: float,
                 drain_every: float) -> None:
     parent = os.getppid()
-    router = Router(rng=random.Random(seed))
-    router.sync(candidates)
-    sink = MeasurementQueue()
+    parts = build_parts(ValidatorConfig(gateway_port=0, models=models, seed=seed), validator_keypair(),
+                        api_keys=[key], env={})
+    parts.router.sync(candidates)
+    sink = parts.measurements
     drained = 0
-    cfg = GatewayConfig.from_sources(port=0, keys=[key], models=models, env={})
-    async with MinerPool() as pool:
-        gw = Gateway(cfg, router, Upstream(pool, RequestSigner(validator_keypair()), sink))
-        await gw.start()
-        try:
-            print("READY " + json.dumps({"port": gw.port, "pid": os.getpid()}), flush=True)
-            loop = asyncio.get_running_loop()
-            end = loop.time() + max_seconds
-            while os.getppid() == parent and loop.time() < end:
-                await asyncio.sleep(drain_every)
-                drained += len(sink.drain())
-        finally:
-            await gw.stop()
-            logger.info("gateway bench process done: {} measurements drained, {} overflowed",
-                        drained + len(sink), sink.overflowed)
+    await parts.gateway.start()
+    try:
+        print("READY " + json.dumps({"port": parts.gateway.port, "pid": os.getpid()}), flush=True)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + max_seconds
+        while os.getppid() == parent and loop.time() < end:
+            await asyncio.sleep(drain_every)
+            for m in sink.drain():  # as the validator does: the measurement queue feeds the scorer
+                parts.scorer.record(m)
+                drained += 1
+    finally:
+        await parts.aclose()
+        logger.info("gateway bench process done: {} measurements drained, {} overflowed",
+                    drained + len(sink), sink.overflowed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,9 @@
 """Runs one scenario under one router: real gateway, router, reference miners, probes and scorer.
 
 Everything lives on one event loop on loopback ephemeral ports: the simulated cards behind
-:func:`neurons.miner.start_miner`, a :class:`gateway.app.Gateway` with the router under test,
-:class:`gateway.upstream.Upstream` signing with a validator hotkey, :class:`scoring.Scorer` fed
-through :class:`soak_lib.timescale.TimeScaledSink`, probes from :class:`neurons.probes.ProbeRunner`,
+:func:`neurons.miner.server.start_miner`; the validator's serving path as
+:func:`neurons.validator.build.build_parts` wires it, with the router under test; its scorer fed
+through :class:`soak_lib.timescale.TimeScaledSink`; probes from :class:`neurons.validator.probes.ProbeRunner`,
 and organic clients posting to the gateway over HTTP. Each round: events (degrade, die, revive),
 traffic and probes for ``round_s``, drain, ``close_round``, routing scores and weights republished.
 
@@ -28,15 +28,14 @@ from aiohttp import web
 from bittensor.sp_core import Keypair
 from loguru import logger
 
-from gateway.app import Gateway, GatewayConfig
-from gateway.http.client import MinerPool
-from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
-from gateway.upstream import Upstream, UpstreamTimeouts
-from neurons.miner import AllowList, start_miner
-from neurons.probes import ProbeRunner
-from neurons.prompts import PromptGenerator
-from scoring.credit import CreditConfig
+from gateway.upstream import UpstreamTimeouts
+from neurons.miner.server import start_miner
+from neurons.miner.trust import AllowList
+from neurons.validator.build import build_parts
+from neurons.validator.config import ValidatorConfig
+from neurons.validator.probes import ProbeRunner
+from neurons.validator.prompts import PromptGenerator
 from scoring.measurement import Measurement
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
@@ -166,7 +165,6 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         if not m.probe:
             s.max_in_flight_at_dispatch = max(s.max_in_flight_at_dispatch, m.in_flight)
 
-    scorer = Scorer(CreditConfig(), store=None, window=opts.window)
     router: Router = make_router(router_kind, router_rng)
     tasks: set[asyncio.Task[Any]] = set()
     async with contextlib.AsyncExitStack() as stack:
@@ -184,15 +182,19 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         result.slots_seen = {m.label: slots[m.uid] for m in miners}
         router.sync([Candidate(uid=m.uid, hotkey=m.key.ss58_address, endpoint=m.endpoint, slots=slots[m.uid])
                      for m in miners])
+        # The validator's own wiring; measurements are drained into the scorer at each round's close,
+        # rescaled to simulated seconds on the way (the validator drains its queue the same way).
+        parts = build_parts(ValidatorConfig(gateway_port=0, models=[MODEL], max_retries=2,
+                                            settlement_rounds=opts.window),
+                            vkey, api_keys=[API_KEY], router=router,
+                            timeouts=scaled_timeouts(UpstreamTimeouts(), scale), env={})
+        if router_kind not in ("project", "slots"):  # the reference routers ignore X-Miner-Slots
+            parts.upstream.on_slots = None
+        scorer, upstream = parts.scorer, parts.upstream
         sink = TimeScaledSink(scorer, scale, taps=(tap,))
-        pool = await stack.enter_async_context(MinerPool())
-        upstream = Upstream(pool, RequestSigner(vkey), sink, timeouts=scaled_timeouts(UpstreamTimeouts(), scale))
-        if router_kind in ("project", "slots"):  # as neurons.validator wires it: slots from X-Miner-Slots
-            upstream.on_slots = router.learn_slots
-        gw = Gateway(GatewayConfig.from_sources(port=0, keys=[API_KEY], models=[MODEL], max_retries=2,
-                                                timeouts=upstream.timeouts), router, upstream)
-        await gw.start()
-        stack.push_async_callback(gw.stop)
+        await parts.gateway.start()
+        stack.push_async_callback(parts.aclose)
+        gw = parts.gateway
         url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
         prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens)
         probe_prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens)
@@ -288,6 +290,8 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                                          probes.run_round(sc.probes_per_miner, round_real))
                 if tasks:  # organic stragglers; probes and sequential traffic are already awaited
                     await asyncio.wait(set(tasks), timeout=DRAIN_S)
+                for meas in parts.measurements.drain():
+                    sink.record(meas)
                 _close(scorer, router, result, miners, alive, current, hk2uid)
                 current.clear()
         finally:

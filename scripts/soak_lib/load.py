@@ -1,6 +1,6 @@
 """Card runtimes for the soak: the simulated 5090, plus what the field shows and the sim does not model.
 
-:class:`CardRuntime` wraps :class:`neurons.sim_runtime.SimulatedRuntime` (time-scaled) and adds:
+:class:`CardRuntime` wraps :class:`neurons.miner.runtimes.sim.SimulatedRuntime` (time-scaled) and adds:
 
 * a **recent-utilisation TTFT term** (off unless ``util_ttft_s > 0``): extra first-token delay
   ``min(util_cap_s, util_ttft_s * u)`` simulated seconds, where ``u`` is the card's busy fraction
@@ -37,7 +37,7 @@ import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from neurons.sim_runtime import CardProfile, SimulatedRuntime
+from neurons.miner.runtimes.sim import CardProfile, SimulatedRuntime
 
 
 class CardRuntime:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from neurons.sim_runtime import PROFILES, CardProfile
+from neurons.miner.runtimes.sim import PROFILES, CardProfile
 
 FAST = PROFILES["rtx5090"]
 MEDIUM = CardProfile(name="rtx5090-medium", base_ttft_s=0.65, prefill_tok_s=20000.0, single_tok_s=390.0,

@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
+
 DEFAULT_MODEL = "tensorgate/sim-5090"
 
 
@@ -36,7 +38,7 @@ class ValidatorConfig:
     weights_dry_run: bool = False
     probes_per_round: int = 2
     sync_interval_blocks: int = 10
-    min_validator_stake: float = 1000.0
+    min_validator_stake: float = DEFAULT_MIN_VALIDATOR_STAKE
     restore_max_age_s: float = 3600.0
     max_retries: int = 2
     log_level: str = "INFO"

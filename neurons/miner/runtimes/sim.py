@@ -29,16 +29,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import random
 import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.protocol.openai import requested_max_tokens
+from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
+from gateway.protocol.tokens import estimate_prompt_tokens
+
+from .base import RuntimeFailure
 
 _VOCAB = (
     "the of and to in is that for it as with was on be by this are from or at an which have not had "
@@ -50,34 +53,6 @@ _VOCAB = (
     "old year off come since against go came right used take three card token stream model gradient "
     "tensor kernel memory cache batch decode prefill latency signal network miner validator subnet"
 ).split()
-
-
-class RuntimeFailure(Exception):
-    """The runtime could not serve a request; the miner maps it to a clean OpenAI-shaped error.
-
-    Raised before the first frame it becomes an HTTP error with ``status``; raised mid-stream it
-    becomes an SSE ``error`` event and the stream ends without ``[DONE]``.
-    """
-
-    def __init__(self, message: str, *, status: int = 502, type: str = "upstream_error",
-                 code: str = "runtime_failed", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.type = type
-        self.code = code
-        self.headers = dict(headers or {})
-
-
-class Runtime(Protocol):
-    """What the miner needs from an inference backend (simulated or a proxied vLLM/SGLang/llama-server)."""
-
-    name: str
-
-    @property
-    def active(self) -> int: ...
-
-    def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,56 +144,16 @@ def parse_profile(spec: str) -> CardProfile:
     return dataclasses.replace(base, **changes)
 
 
-def estimate_prompt_tokens(messages: Any) -> int:
-    """About one token per four characters of message text (str content or text parts)."""
-    chars = 0
-    if isinstance(messages, list):
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            content = m.get("content")
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        chars += len(part["text"])
-    return max(1, round(chars / 4))
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-class _Frames:
-    """Pre-rendered chunk templates for one response: a token frame costs one ``json.dumps`` of a word."""
-
-    def __init__(self, model: str) -> None:
-        self.id = "chatcmpl-" + secrets.token_hex(12)
-        self.created = int(time.time())
-        self.model = model
-        head = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": model}
-        self._head = json.dumps(head, separators=(",", ":"))[:-1]  # without the closing brace
-        self._tok_prefix = ("data: " + self._head + ',"choices":[{"index":0,"delta":{"content":').encode()
-        self._tok_suffix = b'},"logprobs":null,"finish_reason":null}]}\n\n'
-
-    def _chunk(self, extra: dict[str, Any], allow_nan: bool = False) -> bytes:
-        body = json.dumps(extra, separators=(",", ":"), allow_nan=allow_nan)[1:]
-        return ("data: " + self._head + "," + body + "\n\n").encode()
-
-    def prelude(self) -> bytes:
-        return self._chunk({"choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
-                                         "finish_reason": None}]})
-
-    def token(self, text: str) -> bytes:
-        return self._tok_prefix + json.dumps(text).encode() + self._tok_suffix
-
-    def finish(self, reason: str) -> bytes:
-        return self._chunk({"choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}]})
-
-    def usage(self, prompt: float, completion: float) -> bytes:
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        return self._chunk({"choices": [], "usage": usage}, allow_nan=True)
+def _nan_usage(frames: ChunkFramer, completion: int) -> bytes:
+    """A usage chunk with NaN in it: a fault the gateway must catch (``frame`` itself refuses NaN)."""
+    return frames.usage(_usage(0, completion)).replace(b'"prompt_tokens":0', b'"prompt_tokens":NaN')
 
 
 GARBAGE_FRAME = b'data: {"object": "chat.completion.chunk", "choices": [{"delta": {"content": \xff\xfe\n\n'
-DONE_FRAME = b"data: [DONE]\n\n"
 
 
 class SimulatedRuntime:
@@ -266,7 +201,7 @@ class SimulatedRuntime:
         options = payload.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
         model = payload.get("model") if isinstance(payload.get("model"), str) else f"sim/{p.name}"
-        frames = _Frames(model)
+        frames = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()), model)
 
         others = self._active
         self._active += 1
@@ -278,10 +213,10 @@ class SimulatedRuntime:
             queued_real = start - now
             ttft_real = queued_real + (p.ttft_s(prompt_tokens, others) * self._factor() + p.hang_s) / ts
             decode_factor = self._factor()
-            yield frames.prelude()
+            yield frame(frames.chunk({"role": "assistant"}, None))
             await asyncio.sleep(max(0.0, ttft_real - (loop.time() - now)))
 
-            out = [frames.token(self._word(True))]
+            out = [frames.content(self._word(True))]
             emitted = 1
             if garbage:
                 out.append(GARBAGE_FRAME)
@@ -301,12 +236,12 @@ class SimulatedRuntime:
                     continue
                 owed -= k
                 emitted += k
-                yield b"".join(frames.token(self._word(False)) for _ in range(k))
+                yield b"".join(frames.content(self._word(False)) for _ in range(k))
             if drop_at is not None and emitted >= drop_at:
                 return  # abrupt end: no finish_reason, no [DONE]
-            tail = [frames.finish(finish)]
+            tail = [frame(frames.chunk({}, finish))]
             if include_usage:
-                tail.append(frames.usage(math.nan if nan_usage else prompt_tokens, emitted))
+                tail.append(_nan_usage(frames, emitted) if nan_usage else frames.usage(_usage(prompt_tokens, emitted)))
             tail.append(DONE_FRAME)
             yield b"".join(tail)
         finally:

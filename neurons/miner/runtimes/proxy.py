@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from loguru import logger
 
-from .sim_runtime import RuntimeFailure
+from .base import RuntimeFailure
 
 _MAX_ERROR_BODY = 64 * 1024
 

@@ -1,0 +1,3 @@
+from neurons.miner.cli import main
+
+raise SystemExit(main())

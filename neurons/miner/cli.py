@@ -1,0 +1,133 @@
+"""``python -m neurons.miner``: the reference miner's command line (wallet, runtime, trust, slots).
+
+Example::
+
+    python -m neurons.miner --wallet.name miner --wallet.hotkey default --netuid 7 --network test \\
+        --axon.ip 0.0.0.0 --axon.port 8091 --runtime.url http://127.0.0.1:8001 --slots 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+import signal
+import sys
+
+import aiohttp
+from loguru import logger
+
+from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
+from .runtimes.base import Runtime
+from .runtimes.sim import SimulatedRuntime, parse_profile
+from .server import DEFAULT_MAX_BODY, start_miner
+from .trust import AllowList, PermitTrust, Trust
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m neurons.miner",
+                                description="tensorgate reference miner: signed, slot-limited chat completions")
+    p.add_argument("--netuid", type=int, default=1, help="subnet to serve (network mode)")
+    p.add_argument("--network", default="finney", help="finney | test | local | ws://host:port")
+    p.add_argument("--wallet.name", dest="wallet_name", default="default", help="wallet (coldkey) name")
+    p.add_argument("--wallet.hotkey", dest="wallet_hotkey", default="default", help="hotkey name in the wallet")
+    p.add_argument("--wallet.path", dest="wallet_path", default=None, help="default ~/.bittensor/wallets")
+    p.add_argument("--dev-key", dest="dev_key", default=None, metavar="NAME",
+                   help="use the development key //NAME instead of a wallet (local testing only)")
+    p.add_argument("--axon.ip", dest="axon_ip", default="127.0.0.1", help="address to bind")
+    p.add_argument("--axon.port", dest="axon_port", type=int, default=8091, help="port to bind (0: any free port)")
+    p.add_argument("--slots", type=int, default=4, help="concurrent requests served; more are refused with 429")
+    p.add_argument("--runtime.url", dest="runtime_url", default=None,
+                   help="OpenAI-compatible runtime to relay to (vLLM, SGLang, llama-server), e.g. http://127.0.0.1:8001")
+    p.add_argument("--runtime.model", dest="runtime_model", default=None,
+                   help="model name to put in requests to the runtime (default: keep the caller's)")
+    p.add_argument("--runtime.sim", dest="runtime_sim", default="rtx5090",
+                   help="simulated card when no --runtime.url: NAME or NAME:key=value,... (e.g. rtx5090-slow)")
+    p.add_argument("--runtime.seed", dest="runtime_seed", type=int, default=None, help="seed of the simulated card")
+    p.add_argument("--allow", action="append", default=[], metavar="HOTKEY",
+                   help="trust this validator hotkey (repeatable); without it, trust the metagraph's permit holders")
+    p.add_argument("--trust.min-stake", dest="trust_min_stake", type=float, default=DEFAULT_MIN_VALIDATOR_STAKE,
+                   help="a permit holder with this stake (or any validator trust) is a validator; the validator's "
+                        "--validator.min-stake rule")
+    p.add_argument("--trust.refresh", dest="trust_refresh", type=float, default=300.0,
+                   help="seconds between metagraph refreshes of the trusted validators")
+    p.add_argument("--max-body", dest="max_body", type=int, default=DEFAULT_MAX_BODY, help="request body cap (bytes)")
+    p.add_argument("--log-level", dest="log_level", default="INFO")
+    args = p.parse_args(argv)
+    if args.slots < 1:
+        p.error("--slots must be >= 1")
+    if args.runtime_url is None:
+        try:
+            parse_profile(args.runtime_sim)
+        except ValueError as e:
+            p.error(str(e))
+    return args
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from ..keys import MissingKeyError, dev_keypair, load_hotkey
+
+    try:
+        keypair = dev_keypair(args.dev_key) if args.dev_key else load_hotkey(
+            args.wallet_name, args.wallet_hotkey, args.wallet_path)
+    except MissingKeyError as e:
+        logger.error("{}", e)
+        return 2
+    async with contextlib.AsyncExitStack() as stack:
+        runtime: Runtime
+        if args.runtime_url:
+            from .runtimes.proxy import ProxyRuntime
+
+            session = await stack.enter_async_context(aiohttp.ClientSession())
+            runtime = ProxyRuntime(args.runtime_url, session, model=args.runtime_model)
+        else:
+            rng = random.Random(args.runtime_seed) if args.runtime_seed is not None else None
+            runtime = SimulatedRuntime(parse_profile(args.runtime_sim), rng=rng)
+        trust: Trust
+        if args.allow:
+            trust = AllowList(args.allow)
+        else:
+            from ..chain.subtensor import SubtensorChain
+
+            try:
+                chain = await SubtensorChain.connect(args.network, args.netuid, keypair)
+            except Exception as e:
+                logger.error("cannot reach netuid {} on {}: {} (or pass --allow HOTKEY for local mode)",
+                             args.netuid, args.network, e)
+                return 1
+            stack.push_async_callback(chain.close)
+            permit = PermitTrust(chain, refresh_s=args.trust_refresh, min_stake=args.trust_min_stake)
+            await permit.refresh()
+            refresher = asyncio.create_task(permit.run())
+            stack.callback(refresher.cancel)
+            trust = permit
+        runner, port = await start_miner(keypair, runtime, slots=args.slots, trust=trust, host=args.axon_ip,
+                                         port=args.axon_port, max_body_bytes=args.max_body)
+        stack.push_async_callback(runner.cleanup)
+        logger.info("miner {} listening on {}:{} ({} slots, runtime {}, trust {})", keypair.ss58_address,
+                    args.axon_ip, port, args.slots, runtime.name,
+                    "allow-list" if args.allow else f"permit holders of netuid {args.netuid} on {args.network}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logger.info("stopping")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level=args.log_level.upper(),
+               format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

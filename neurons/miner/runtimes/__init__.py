@@ -1,0 +1,1 @@
+"""Inference backends behind the reference miner, all speaking :class:`.base.Runtime`."""

@@ -1,0 +1,39 @@
+"""The contract between the reference miner and an inference backend (simulated card, proxied runtime).
+
+The miner owns HTTP, signatures, trust and slots; a runtime only turns one chat payload into SSE
+frames. Keeping that seam a ``Protocol`` lets the simulated card, the proxy to vLLM/SGLang/llama-server
+and any test double plug in without inheriting from anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+
+class RuntimeFailure(Exception):
+    """The runtime could not serve a request; the miner maps it to a clean OpenAI-shaped error.
+
+    Raised before the first frame it becomes an HTTP error with ``status``; raised mid-stream it
+    becomes an SSE ``error`` event and the stream ends without ``[DONE]``.
+    """
+
+    def __init__(self, message: str, *, status: int = 502, type: str = "upstream_error",
+                 code: str = "runtime_failed", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+class Runtime(Protocol):
+    """What the miner needs from an inference backend (simulated or a proxied vLLM/SGLang/llama-server)."""
+
+    name: str
+
+    @property
+    def active(self) -> int: ...
+
+    def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]: ...

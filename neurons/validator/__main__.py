@@ -1,0 +1,3 @@
+from neurons.validator.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""The one wiring of a validator from its config, used by the CLI, the local subnet, tests, soak and benchmarks.
+
+Before it, the validator, the local subnet, the test harness, the soak and the gateway benchmark each
+assembled router, upstream and gateway their own way, so a hook wired in one (slot learning, the
+measurement sink, timeouts) could be missing in another and the figures measured something else than
+what operators run. Here the parts are built once, in one order, and callers swap only what they are
+testing (the router in the soak's comparisons, the sink for time-scaled runs, the timeouts in fault
+tests).
+
+Nothing here does I/O: the gateway binds its socket, the store opens SQLite and the chain is first
+read in :meth:`neurons.validator.neuron.Validator.start`.
+
+Example::
+
+    parts = build_parts(ValidatorConfig(gateway_port=0), keypair, api_keys=["sk-local"])
+    await parts.gateway.start()                  # serving; measurements pile up in parts.measurements
+    v = build_validator(cfg, chain, keypair)     # the whole neuron: parts + chain + loops
+    await v.run()
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.app import Gateway, GatewayConfig
+from gateway.http.client import MinerPool
+from gateway.protocol.signing import RequestSigner
+from gateway.router import Router
+from gateway.upstream import Upstream, UpstreamTimeouts
+from scoring.credit import CreditConfig
+from scoring.measurement import MeasurementQueue, MeasurementSink
+from scoring.scorer import Scorer
+
+from ..chain.base import Chain
+from .config import ValidatorConfig
+from .neuron import Validator
+from .probes import ProbeRunner
+from .prompts import PromptGenerator
+
+
+@dataclass
+class ValidatorParts:
+    """Everything between the chain and the weights, wired; ``measurements`` feeds ``scorer``."""
+
+    config: ValidatorConfig
+    keypair: Any
+    router: Router
+    pool: MinerPool
+    measurements: MeasurementQueue
+    upstream: Upstream
+    gateway: Gateway
+    scorer: Scorer
+    prompts: PromptGenerator
+    probes: ProbeRunner
+
+    async def aclose(self) -> None:
+        """Stop serving and drop miner connections (the chain and the store are the validator's)."""
+        await self.probes.aclose()
+        await self.gateway.stop()
+        await self.pool.close()
+
+
+def build_parts(
+    cfg: ValidatorConfig,
+    keypair: Any,
+    *,
+    api_keys: list[str] | None = None,
+    rng: random.Random | None = None,
+    credit: CreditConfig | None = None,
+    router: Router | None = None,
+    sink: MeasurementSink | None = None,
+    timeouts: UpstreamTimeouts | None = None,
+    **gateway_options: Any,
+) -> ValidatorParts:
+    """Wire router -> upstream -> gateway, the scorer and the probes from ``cfg``.
+
+    ``sink`` replaces the measurement queue as the upstream's sink (the soak wraps the scorer to
+    rescale time); ``gateway_options`` go to :meth:`GatewayConfig.from_sources` (``env``, ``keys``,
+    ``max_body_bytes``, ``freeze_heap``, ...).
+    """
+    seed_rng = rng if rng is not None else random.Random(cfg.seed)
+    router = router if router is not None else Router(rng=random.Random(seed_rng.random()))
+    pool = MinerPool()
+    measurements = MeasurementQueue()
+    upstream = Upstream(pool, RequestSigner(keypair), sink if sink is not None else measurements, timeouts=timeouts)
+    upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
+    gateway_options.setdefault("keys_file", cfg.api_keys_file)
+    gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
+                                        keys=api_keys, max_retries=cfg.max_retries, **gateway_options)
+    gateway = Gateway(gw_cfg, router, upstream)
+    scorer = Scorer(credit or CreditConfig(), window=cfg.settlement_rounds, restore_max_age_s=cfg.restore_max_age_s)
+    prompts = PromptGenerator(random.Random(seed_rng.random()))
+    probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()))
+    return ValidatorParts(cfg, keypair, router, pool, measurements, upstream, gateway, scorer, prompts, probes)
+
+
+def build_validator(cfg: ValidatorConfig, chain: Chain, keypair: Any, **kwargs: Any) -> Validator:
+    """The whole neuron: :func:`build_parts` plus the chain; ``kwargs`` as for :func:`build_parts`."""
+    return Validator(cfg, chain, build_parts(cfg, keypair, **kwargs))

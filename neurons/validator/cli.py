@@ -1,0 +1,64 @@
+"""``python -m neurons.validator``: parse flags, then run the validator on a chain or the embedded local subnet.
+
+Operator mistakes (no wallet, unregistered hotkey, unreachable network, a corrupt state file) end with
+one clear line and exit code 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from loguru import logger
+
+from .build import build_validator
+from .config import ValidatorConfig, parse_args
+
+
+def _configure_logging(level: str) -> None:
+    logger.remove()
+    logger.add(sys.stderr, level=level.upper(),
+               format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+
+
+async def _run_network(cfg: ValidatorConfig) -> int:
+    from ..chain.subtensor import SubtensorChain
+    from ..keys import load_hotkey
+
+    keypair = load_hotkey(cfg.wallet_name, cfg.wallet_hotkey, cfg.wallet_path)
+    chain = await SubtensorChain.connect(cfg.network, cfg.netuid, wallet=keypair, state_dir=cfg.state_dir)
+    try:
+        uid = await chain.my_uid()  # NotRegistered: refuse to run rather than serve without weights
+        logger.info("hotkey {} is uid {} on netuid {}", keypair.ss58_address, uid, cfg.netuid)
+        v = build_validator(cfg, chain, keypair)
+        await v.run()
+    finally:
+        await chain.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``tensorgate-validator``)."""
+    from scoring.store import StateError
+
+    from ..chain.subtensor import ChainSeamError
+    from ..keys import MissingKeyError
+
+    cfg = parse_args(argv)
+    _configure_logging(cfg.log_level)
+    try:
+        if cfg.local:
+            from ..local_subnet import run_local_subnet
+
+            return asyncio.run(run_local_subnet(cfg))
+        return asyncio.run(_run_network(cfg))
+    except KeyboardInterrupt:
+        logger.info("stopped")
+        return 0
+    except (MissingKeyError, ChainSeamError, StateError) as e:
+        logger.error("{}", e)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,236 @@
+"""The validator neuron: metagraph sync, gateway, probes, scoring rounds and periodic weights.
+
+One asyncio process. Data flows one way: chain -> metagraph -> router -> upstream -> measurement ->
+scoring -> weights. Each loop is a supervised task (``neurons.supervise``): an exception is logged
+with context and the loop restarted, never silently lost.
+
+The parts come wired from :func:`neurons.validator.build.build_parts`; the constructor does no I/O.
+:meth:`Validator.start` opens the state (SQLite, on a thread of its own: a ``synchronous=FULL``
+commit must never stall the event loop that relays streams), reads the chain and binds the gateway.
+Measurements reach the scorer through a bounded queue drained a few times a second, not from inside
+the socket read callback that produced them. History kept in memory is bounded (``RECENT``); the
+complete record is the state database.
+
+Run against a real subnet::
+
+    python -m neurons.validator --netuid 7 --network test --wallet.name vali --wallet.hotkey default
+
+or the embedded local subnet (no chain, no GPU)::
+
+    python -m neurons.validator --local
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from loguru import logger
+
+from gateway.router import Candidate
+from scoring.store import ScoreStore
+
+from ..chain.base import Chain, NeuronInfo
+from ..supervise import every, supervise
+from .config import ValidatorConfig
+
+if TYPE_CHECKING:
+    from .build import ValidatorParts
+
+RECENT = 64  # closed rounds and weight submissions kept in memory (for the live table and tests)
+DRAIN_EVERY_S = 0.25  # how often measurements move from the queue into the scorer
+_T = TypeVar("_T")
+
+
+def candidates(neurons: list[NeuronInfo], self_hotkey: str, min_validator_stake: float) -> list[Candidate]:
+    """Routable miners: neurons serving an endpoint, minus this validator, minus validators."""
+    out = []
+    for n in neurons:
+        if not n.endpoint or n.hotkey == self_hotkey or n.acts_as_validator(min_validator_stake):
+            continue
+        out.append(Candidate(uid=n.uid, hotkey=n.hotkey, endpoint=n.endpoint))
+    return out
+
+
+@dataclass
+class RoundLog:
+    """What one closed round produced, for the live table and the tests."""
+
+    index: int
+    table: str
+    weights: dict[int, float] = field(default_factory=dict)
+
+
+class Validator:
+    """The neuron's lifecycle and loops over parts wired by :func:`~neurons.validator.build.build_parts`."""
+
+    def __init__(self, cfg: ValidatorConfig, chain: Chain, parts: ValidatorParts) -> None:
+        self.cfg = cfg
+        self.chain = chain
+        self.parts = parts
+        self.keypair = parts.keypair
+        self.hotkey: str = parts.keypair.ss58_address
+        self.router = parts.router
+        self.upstream = parts.upstream
+        self.gateway = parts.gateway
+        self.scorer = parts.scorer
+        self.store: ScoreStore | None = None  # opened in start()
+        self.hotkey_to_uid: dict[str, int] = {}
+        self.my_uid: int | None = None
+        self.rounds_closed = 0
+        self.recent_rounds: deque[RoundLog] = deque(maxlen=RECENT)
+        self.weights_set: deque[tuple[int, dict[int, float]]] = deque(maxlen=RECENT)  # (block, weights)
+        self.weights_submitted = 0
+        self.restarts: dict[str, int] = {}
+        self._last_weights_block: int | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._store_thread: ThreadPoolExecutor | None = None
+
+    # -- state I/O, off the event loop ------------------------------------------------------------
+
+    async def _io(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a blocking state call on the store's single thread (calls stay serialised)."""
+        if self._store_thread is None:
+            self._store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state")
+        return await asyncio.get_running_loop().run_in_executor(self._store_thread, fn, *args)
+
+    async def open_state(self) -> None:
+        """Open the state database and restore scoring from it (idempotent)."""
+        if self.store is not None:
+            return
+        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self.store = await self._io(ScoreStore, self.cfg.state_dir / "validator.sqlite")
+        await self._io(self.scorer.restore, self.store)
+        self._last_weights_block = await self._io(self.store.last_weights_block)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the state, sync once (restored credits reach the router), open the gateway, start the loops."""
+        await self.open_state()
+        await self.sync_metagraph()
+        if self.scorer.restored:
+            logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
+                        self.cfg.state_dir)
+        await self.gateway.start()
+        params = await self.chain.params()
+        block_s = max(0.05, params.block_time)
+        sync_s = self.cfg.sync_interval_blocks * block_s
+        self._tasks = [
+            supervise("metagraph-sync", lambda: every(sync_s, self.sync_metagraph, first_delay_s=sync_s),
+                      restarts=self.restarts),
+            supervise("measurements", lambda: every(DRAIN_EVERY_S, self._drain, first_delay_s=DRAIN_EVERY_S),
+                      restarts=self.restarts),
+            supervise("rounds", self._rounds_forever, restarts=self.restarts),
+            supervise("weights", lambda: every(block_s, self.maybe_set_weights, first_delay_s=block_s),
+                      restarts=self.restarts),
+        ]
+        logger.info("validator {} (uid {}) on netuid {} via {}; gateway on http://{}:{}", self.hotkey,
+                    self.my_uid, self.chain.netuid, self.cfg.network, self.cfg.gateway_host, self.gateway.port)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self.parts.aclose()
+        if self.store is not None:
+            await self._io(self.store.close)
+            self.store = None
+        if self._store_thread is not None:
+            self._store_thread.shutdown(wait=True)
+            self._store_thread = None
+
+    async def sync_metagraph(self) -> None:
+        neurons = await self.chain.metagraph()
+        self.hotkey_to_uid = {n.hotkey: n.uid for n in neurons}
+        self.my_uid = self.hotkey_to_uid.get(self.hotkey)
+        cands = candidates(neurons, self.hotkey, self.cfg.min_validator_stake)
+        self.router.sync(cands)
+        # A UID whose hotkey changed starts from nothing: scores are keyed by hotkey.
+        self.router.set_scores(self.scorer.routing_scores())
+        logger.debug("metagraph: {} neurons, {} routable miners", len(neurons), len(cands))
+
+    async def _drain(self) -> None:
+        for m in self.parts.measurements.drain():
+            self.scorer.record(m)
+
+    async def _rounds_forever(self) -> None:
+        while True:
+            await self.parts.probes.run_round(self.cfg.probes_per_round, self.cfg.round_s)
+            await self.close_round()
+
+    async def close_round(self) -> RoundLog:
+        """Score the round, republish routing, persist it (on the store thread), log the table."""
+        await self._drain()
+        report = self.scorer.close_round(time.time())
+        self.router.set_scores(self.scorer.routing_scores())
+        weights = self.scorer.weights(self.hotkey_to_uid)
+        table = report.format_table(weights=weights)
+        self.rounds_closed += 1
+        entry = RoundLog(index=self.rounds_closed, table=table, weights=weights)
+        self.recent_rounds.append(entry)
+        logger.info("round {} closed\n{}", entry.index, table)
+        if self.store is not None and report.saved is not None:
+            try:
+                await self._io(self.store.save_round, *report.saved)
+            except Exception as e:  # keep scoring in memory; the next round saves its own
+                logger.error("scoring state: could not save round {} to {}: {}", report.index, self.store.path, e)
+        return entry
+
+    async def maybe_set_weights(self) -> None:
+        """Set weights when the interval has passed and the chain's rate limit allows; never fatal."""
+        if not self.rounds_closed:
+            return
+        block = await self.chain.block()
+        if self._last_weights_block is not None and block - self._last_weights_block < self.cfg.weights_interval_blocks:
+            return
+        if self.my_uid is None:
+            logger.warning("hotkey {} is not registered on netuid {}; not setting weights",
+                           self.hotkey, self.chain.netuid)
+            self._last_weights_block = block  # say so once an interval, not every block
+            return
+        params = await self.chain.params()
+        since = await self.chain.blocks_since_last_update(self.my_uid)
+        if since < params.weights_rate_limit:
+            return
+        weights = self.scorer.weights(self.hotkey_to_uid)
+        if not weights:
+            logger.info("no miner has a settled score yet; not setting weights")
+            self._last_weights_block = block
+            return
+        if self.cfg.weights_dry_run:
+            logger.info("dry run: would set weights at block {}: {}", block, _fmt_weights(weights))
+            self._last_weights_block = block
+            return
+        outcome = await self.chain.set_weights(weights)
+        if outcome.ok:
+            self._last_weights_block = block
+            self.weights_set.append((block, weights))
+            self.weights_submitted += 1
+            if self.store is not None:
+                await self._io(self.store.record_weights, block, weights)
+            how = "committed (commit-reveal)" if outcome.commit_reveal else "set"
+            logger.info("weights {} at block {}: {}", how, block, _fmt_weights(weights))
+        else:
+            logger.warning("setting weights failed at block {} (will retry): {}", block, outcome.message)
+
+    async def run(self, rounds: int | None = None) -> None:
+        try:
+            await self.start()
+            while rounds is None or self.rounds_closed < rounds:
+                await asyncio.sleep(0.2)
+                dead = [t for t in self._tasks if t.done()]
+                if dead:
+                    raise RuntimeError(f"supervised task ended: {[t.get_name() for t in dead]}")
+        finally:
+            await self.stop()
+
+
+def _fmt_weights(weights: dict[int, float]) -> str:
+    return ", ".join(f"{uid}:{w:.3f}" for uid, w in sorted(weights.items()))
