@@ -1,15 +1,21 @@
-"""The OpenAI-compatible front door: routes, API keys, request validation; one request becomes one dispatch.
+"""The OpenAI-compatible front door: an ASGI app for routes, API keys and request validation.
 
 This module decides *whether* and *what* to serve: ``/v1/chat/completions`` (validated by
 :mod:`gateway.protocol.openai`, then handed to :class:`gateway.relay.Relay`, which owns the request's
-life from router lease to last byte), ``/v1/models``, ``/v1/status`` and ``/health``. Every refusal is an
-OpenAI-shaped error (:mod:`gateway.protocol.errors`), counted in ``outcomes`` with the relay's own
+life from router lease to last byte), ``/v1/models``, ``/v1/status`` and ``/health``. Every refusal is
+an OpenAI-shaped error (:mod:`gateway.protocol.errors`), counted in ``outcomes`` with the relay's own
 stream outcomes, so the status page shows one ledger.
+
+It is a raw ASGI callable, no framework: the HTTP server underneath (:mod:`gateway.http.server`) can be
+swapped, and the refusals a server may let through are checked here once for all of them: HTTP/0.9,
+HTTP/1.1 without ``Host``, control characters in header values. A completion request is authorised
+from its head, before its body is read, and a body over ``max_body_bytes`` is refused as soon as that
+is known (``Content-Length``, or while reading a chunked one).
 
 Example::
 
     cfg = GatewayConfig.from_sources(port=0, models=["tensorgate/sim-5090"], keys=["sk-local"])
-    gw = Gateway(cfg, router, Upstream(MinerPool(), RequestSigner(keypair), sink))
+    gw = Gateway(cfg, router, Upstream(MinerClient(), RequestSigner(keypair), sink))
     await gw.start()
     print(f"http://127.0.0.1:{gw.port}/v1")   # base_url for the official openai client
     await gw.stop()
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -27,15 +34,17 @@ from typing import Any
 
 from loguru import logger
 
+from .asgi import ClientGone, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, load_key_hashes
-from .http.server import HttpServer, Refusal, Request, Response
-from .protocol.errors import GatewayError, invalid_json, unauthorized
-from .protocol.openai import DEFAULT_MAX_TOKENS, SchemaLimits, parse_chat_request
+from .http.server import HttpServer, Protocol
+from .protocol.errors import GatewayError, invalid_json, payload_too_large, unauthorized
+from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SchemaLimits, parse_chat_request
 from .relay import Relay, RelayConfig
 from .router import Router
 from .upstream import Upstream, UpstreamTimeouts
 
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
+_CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters (tab allowed) in a header value
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,7 @@ class GatewayConfig:
     api_key_hashes: frozenset[str] = frozenset()
     models: tuple[str, ...] = DEFAULT_MODELS
     max_body_bytes: int = 1 << 20
+    max_head_bytes: int = 16 * 1024  # request line and headers; longer is refused, never buffered
     keepalive_timeout: float = 75.0  # an idle client connection is closed after this long
     max_retries: int = 2  # extra miners tried before the client has seen a byte
     default_max_tokens: int = DEFAULT_MAX_TOKENS
@@ -52,6 +62,7 @@ class GatewayConfig:
     timeouts: UpstreamTimeouts | None = None  # None: the Upstream's own
     served_by_header: str = "X-Tensorgate-Miner-Uid"
     shutdown_timeout: float = 5.0
+    http: Protocol = "h11"  # uvicorn's HTTP/1.1 protocol, h11 or httptools (gateway.http.server says why h11)
     # Once listening, what the process allocated so far (the SDK, imports, the metagraph) lives as long as it
     # does: gc.freeze() takes it out of full collections, each of which would otherwise scan it while every
     # stream waits (one took 66 ms under load). Off in tests, which start many gateways in one process.
@@ -80,11 +91,11 @@ class GatewayConfig:
                            served_by_header=self.served_by_header)
 
 
-Route = Callable[[Request, Response], Awaitable[None]]
+Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[None]]
 
 
 class Gateway:
-    """Serves ``/v1/chat/completions``, ``/v1/models``, ``/v1/status`` and ``/health``."""
+    """Serves ``/v1/chat/completions``, ``/v1/models``, ``/v1/status`` and ``/health``; ``self`` is the ASGI app."""
 
     def __init__(self, config: GatewayConfig, router: Router, upstream: Upstream) -> None:
         self.config = config
@@ -96,7 +107,7 @@ class Gateway:
         self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
         self.relay = Relay(config.relay_config(), router, upstream, self.outcomes)
         self._routes: dict[str, dict[str, Route]] = {
-            "/v1/chat/completions": {"POST": self._chat},
+            CHAT_PATH: {"POST": self._chat},
             "/v1/models": {"GET": self._models},
             "/v1/status": {"GET": self._status},
             "/health": {"GET": self._health},
@@ -106,17 +117,15 @@ class Gateway:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        server = HttpServer(self._handle, host=self.config.host, port=self.config.port,
-                            max_body_bytes=self.config.max_body_bytes,
-                            keepalive_timeout=self.config.keepalive_timeout,
-                            shutdown_timeout=self.config.shutdown_timeout, check_head=self._check_head,
-                            on_refusal=self._count_refusal)
+        c = self.config
+        server = HttpServer(self, host=c.host, port=c.port, protocol=c.http, keepalive_timeout=c.keepalive_timeout,
+                            max_head_bytes=c.max_head_bytes, shutdown_timeout=c.shutdown_timeout)
         await server.start()
         self._server = server
-        if self.config.freeze_heap:
+        if c.freeze_heap:
             gc.collect()
             gc.freeze()
-        logger.info("gateway listening on http://{}:{}", self.config.host, server.port)
+        logger.info("gateway listening on http://{}:{}", c.host, server.port)
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -129,49 +138,75 @@ class Gateway:
             raise RuntimeError("gateway not started")
         return self._server.port
 
-    # -- routing and small routes ----------------------------------------------------------------
+    # -- ASGI ------------------------------------------------------------------------------------
 
-    async def _handle(self, request: Request, resp: Response) -> None:
-        """Route by path and method; a refusal (``GatewayError``) becomes its OpenAI-shaped JSON answer."""
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no websockets, no lifespan: the server is told not to send them
         try:
-            methods = self._routes.get(request.path)
-            if methods is None:
-                raise GatewayError(404, "Not Found", code="not_found")
-            route = methods.get("GET" if request.method == "HEAD" else request.method)
-            if route is None:
-                allow = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
-                raise GatewayError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": allow})
-            await route(request, resp)
+            headers = _headers(scope)
+            route = self._route(scope, headers)
+            await route(scope, headers, receive, send)
         except GatewayError as e:
-            if resp.started:  # refusals all come before the first byte; this would be a bug
-                raise
             self.outcomes[str(e.status)] += 1
-            resp.send_json(e.status, e.body(), headers=e.headers)
+            await send_json(send, e.status, e.body(), headers=e.headers, close=e.status in (400, 401, 413))
+        except ClientGone:
+            self.outcomes["client_disconnect"] += 1
 
-    def _check_head(self, method: str, path: str, headers: dict[str, str]) -> Refusal | None:
-        """A completion request without a valid API key is refused before its body is read."""
-        if path != "/v1/chat/completions" or self.auth.check(headers.get("authorization")):
-            return None
-        e = unauthorized()
-        return Refusal(e.status, e.message, e.code or "", type=e.type, headers=e.headers)
+    def _route(self, scope: Scope, headers: dict[str, str]) -> Route:
+        if scope.get("http_version") not in ("1.0", "1.1"):
+            raise GatewayError(400, "only HTTP/1.0 and HTTP/1.1 are served", code="bad_request")
+        if scope["http_version"] == "1.1" and "host" not in headers:
+            raise GatewayError(400, "an HTTP/1.1 request needs a Host header", code="bad_request")
+        if any(_CTL.search(v) for _, v in scope["headers"]):
+            raise GatewayError(400, "control character in a header value", code="bad_request")
+        methods = self._routes.get(scope["path"])
+        if methods is None:
+            raise GatewayError(404, "Not Found", code="not_found")
+        method = scope["method"]
+        route = methods.get("GET" if method == "HEAD" else method)
+        if route is None:
+            allow = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
+            raise GatewayError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": allow})
+        return route
 
-    def _count_refusal(self, status: int) -> None:
-        self.outcomes[str(status)] += 1
-
-    def _authorize(self, request: Request) -> None:
-        if not self.auth.check(request.headers.get("authorization")):
+    def _authorize(self, headers: dict[str, str]) -> None:
+        if not self.auth.check(headers.get("authorization")):
             raise unauthorized()
 
-    async def _health(self, request: Request, resp: Response) -> None:
-        resp.send_json(200, {"status": "ok", "miners": len(self.router), "in_flight": self.router.total_in_flight()})
+    async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
+        """The request body, refused (413) as soon as it is known to exceed ``max_body_bytes``."""
+        limit = self.config.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise payload_too_large(limit)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise payload_too_large(limit)
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
 
-    async def _models(self, request: Request, resp: Response) -> None:
-        self._authorize(request)
+    # -- routes ----------------------------------------------------------------------------------
+
+    async def _health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"status": "ok", "miners": len(self.router),
+                                    "in_flight": self.router.total_in_flight()})
+
+    async def _models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        self._authorize(headers)
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "tensorgate"} for m in self.config.models]
-        resp.send_json(200, {"object": "list", "data": data})
+        await send_json(send, 200, {"object": "list", "data": data})
 
-    async def _status(self, request: Request, resp: Response) -> None:
-        self._authorize(request)
+    async def _status(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        self._authorize(headers)
         miners = []
         for m in self.router.miners():
             st = self.upstream.stats.get(m.uid)
@@ -188,13 +223,21 @@ class Gateway:
                 "failures": dict(st.failures) if st else {},
                 "ttft_p50_s": st.ttft_p50() if st else None,
             })
-        resp.send_json(200, {"in_flight": self.router.total_in_flight(), "dispatched": self.upstream.dispatched,
-                             "outcomes": dict(self.outcomes), "miners": miners})
+        await send_json(send, 200, {"in_flight": self.router.total_in_flight(),
+                                    "dispatched": self.upstream.dispatched, "outcomes": dict(self.outcomes),
+                                    "miners": miners})
 
-    async def _chat(self, request: Request, resp: Response) -> None:
-        self._authorize(request)  # the body is already read, within max_body_bytes (else the server said 413)
+    async def _chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        self._authorize(headers)  # from the head: an unauthenticated client cannot make us read its body
+        raw = await self._read_body(headers, receive)
         try:
-            body = json.loads(request.body)
+            body = json.loads(raw)
         except (ValueError, RecursionError):
             raise invalid_json() from None
-        await self.relay.dispatch(resp, parse_chat_request(body, self.limits))
+        req = parse_chat_request(body, self.limits)
+        await self.relay.serve(req, receive, send)
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    """Request headers by lower-case name (the last of repeated ones), as text."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

@@ -5,20 +5,20 @@ first content chunk has arrived nothing is sent to the client, so a miner that i
 slow to start or broken is released and another is tried (``exclude`` = the miners tried), up to
 ``max_retries`` times. From the first content chunk on, the request belongs to that miner: a
 failure ends the stream with an error event and ``[DONE]`` — never a hang, never a second miner's
-tokens spliced in. A client that disconnects cancels its handler (:mod:`gateway.http.server`), so the
-upstream request is cancelled at once and the miner's slot freed.
+tokens spliced in. A client that disconnects cancels its handler (:func:`gateway.asgi.client_watch`),
+so the upstream request is cancelled at once and the miner's slot freed.
 
 The relay writes once per miner read, not once per chunk: frames decoded from one read (and the
-headers with the first of them, the usage chunk and ``[DONE]`` with the last) leave in one ``write``,
-each content frame built from cached bytes (:class:`gateway.protocol.sse.ChunkFramer`). Once the first
-write is out, the stream is *pushed*: each miner read is framed and written to the client's socket from
-the read callback itself (one HTTP chunk per read), with no task switch per token; a client that falls
-behind (more than :data:`PUSH_HIGH_WATER` unsent) is served by the awaited path instead.
+headers with the first of them, the usage chunk and ``[DONE]`` with the last) leave in one body
+message, each content frame built from cached bytes (:class:`gateway.protocol.sse.ChunkFramer`). It
+reads from the miner only when the client took the last write (ASGI ``send`` applies the client
+socket's back-pressure), so a slow client slows the miner's TCP stream instead of filling memory, and
+no miner deadline runs while the relay waits on the client.
 
 Example::
 
     relay = Relay(RelayConfig(max_retries=2), router, upstream, outcomes=Counter())
-    await relay.dispatch(resp, parse_chat_request(body, limits))   # resp: gateway.http.server.Response
+    await relay.serve(parse_chat_request(body, limits), receive, send)   # inside an ASGI app
 """
 
 from __future__ import annotations
@@ -27,30 +27,22 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from scoring.measurement import FailureReason
 
-from .http.server import Response
+from .asgi import Receive, Send, client_watch, send_json
 from .protocol.errors import GatewayError, bad_gateway, gateway_timeout, no_capacity
 from .protocol.openai import ChatRequest
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .router import Router
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
 
-PUSH_HIGH_WATER = 64 * 1024  # bytes unsent to a client before its stream leaves the push path
 _IDS = random.Random()  # response ids need to be unique, not secret: no urandom syscall per request
 
 
 def _completion_id() -> str:
     return f"chatcmpl-{_IDS.getrandbits(128):032x}"
-
-
-class _RelayStart(NamedTuple):
-    """What a streamed answer needs that does not depend on the miner's first token."""
-
-    headers: dict[str, str]
-    out: ChunkFramer
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +61,18 @@ class Relay:
         self.upstream = upstream
         self.outcomes = outcomes
 
-    async def dispatch(self, resp: Response, req: ChatRequest) -> None:
-        """Serve ``req`` from the first miner that produces content, trying others before the first byte."""
+    async def serve(self, req: ChatRequest, receive: Receive, send: Send) -> None:
+        """Answer ``req``; a client that leaves cancels it at once (its miner's slot is freed)."""
+        async with client_watch(receive) as watch:
+            await self.dispatch(req, send)
+        if watch.gone:
+            self.outcomes["client_disconnect"] += 1
+
+    async def dispatch(self, req: ChatRequest, send: Send) -> None:
+        """Serve ``req`` from the first miner that produces content, trying others before the first byte.
+
+        Raises :class:`GatewayError` when no miner produced a byte (the client gets that error instead).
+        """
         payload = req.upstream_payload()
         tried: set[int] = set()
         failures: list[UpstreamError] = []
@@ -89,9 +91,9 @@ class Relay:
                 async with stream:
                     try:
                         if req.stream:
-                            await self._relay(resp, req, stream)
+                            await self._relay(send, req, stream)
                         else:  # the client sees nothing until the whole answer is in
-                            await self._assemble(resp, req, stream)
+                            await self._assemble(send, req, stream)
                     except UpstreamError as e:  # raised only while the client has seen no byte: try another
                         failures.append(e)
                         continue
@@ -110,100 +112,52 @@ class Relay:
         prompt = (stream.usage or {}).get("prompt_tokens", req.prompt_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": stream.tokens, "total_tokens": prompt + stream.tokens}
 
-    def _relay_start(self, req: ChatRequest, stream: UpstreamStream) -> _RelayStart:
-        headers = {
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "X-Accel-Buffering": "no",
-            self.config.served_by_header: str(stream.uid),
-        }
-        return _RelayStart(headers, ChunkFramer(_completion_id(), int(time.time()), req.model))
-
-    async def _relay(self, resp: Response, req: ChatRequest, stream: UpstreamStream) -> None:
+    async def _relay(self, send: Send, req: ChatRequest, stream: UpstreamStream) -> None:
         """Stream the answer; raises UpstreamError only while the client has seen nothing (try another miner).
 
-        Reads before the first content are kept in ``head``. The read that brings it starts the answer
-        from the read callback itself, and every later read is pushed the same way, until the stream
-        ends or the client falls behind; the awaited loop below carries on from there.
+        Reads before the first content are held back; the read that brings it sends the head and every
+        frame so far in one go. From then on each miner read is one body message.
         """
-        start = self._relay_start(req, stream)  # built while the miner prefills
-        out = start.out
+        out = ChunkFramer(_completion_id(), int(time.time()), req.model)  # built while the miner prefills
         head: list[ChunkInfo] = []
+        while not _has_content(head):
+            batch = await stream.next_batch()  # raises when it failed before any content: another miner is tried
+            if not batch:
+                break
+            head += batch
         parts: list[bytes] = []
-
-        def sink(batch: list[ChunkInfo]) -> bool:
-            if resp.started:
-                return self._push(resp, out, batch, stream, parts)
-            head.extend(batch)
-            if resp.client_gone:
-                return False
-            if stream.finished or not _has_content(batch):
-                return True  # no content yet, or the stream ended in this read: the handler goes on below
-            self._frames(out, head, parts, first=True, stream=stream)  # committed: no other miner may follow
-            head.clear()
-            resp.start(200, start.headers, b"".join(parts))
-            parts.clear()
-            return resp.unsent <= PUSH_HIGH_WATER
-
-        stream.push_to(sink)
-        await stream.wait_push()
-        stream.push_to(None)
-        if not resp.started:  # it ended before a write: take what it sent up to its first content
-            while not _has_content(head):
-                batch = await stream.next_batch()  # raises when it failed before any: another miner is tried
-                if not batch:
-                    break
-                head += batch
-            self._frames(out, head, parts, first=True, stream=stream)  # committed: content came
+        self._frames(out, head, parts, first=True, stream=stream)  # committed: no other miner may follow
+        start = {"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+            (self.config.served_by_header.lower().encode("latin-1"), str(stream.uid).encode())]}
+        if stream.finished:  # the whole answer came before the first write: one write for all of it
+            await send(start)
+            await self._end(send, req, stream, out, parts)
+            return
+        await send(start)
+        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+        parts.clear()
         try:
-            try:
-                while True:
-                    if parts and not stream.ready:  # about to wait on the miner: send what we have
-                        await resp.write(b"".join(parts))
-                        parts.clear()
-                    batch = await stream.next_batch()
-                    if not batch:
-                        break
-                    self._frames(out, batch, parts)
-            except UpstreamError as e:
-                self.outcomes["stream_error"] += 1
-                parts += (frame(_mid_stream_error(e).body()), DONE_FRAME)
-                self._end(resp, start, parts)
-                return
-            if req.include_usage:
-                parts.append(out.usage(self._usage(req, stream)))
-            parts.append(DONE_FRAME)
-            self._end(resp, start, parts)
-            self.outcomes["200"] += 1
-        except ConnectionError:
-            # the client went away; closing the stream cancels the miner request (client_disconnect)
-            self.outcomes["client_disconnect"] += 1
-            stream.close()
+            while batch := await stream.next_batch():
+                self._frames(out, batch, parts)
+                if parts:
+                    await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                    parts.clear()
+        except UpstreamError as e:
+            self.outcomes["stream_error"] += 1
+            body = frame(_mid_stream_error(e).body()) + DONE_FRAME
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await self._end(send, req, stream, out, parts)
 
-    @staticmethod
-    def _end(resp: Response, start: _RelayStart, parts: list[bytes]) -> None:
-        if resp.started:
-            resp.end(b"".join(parts))
-        else:  # the whole answer came before the first write: head, frames and end in one go
-            resp.start(200, start.headers, b"".join(parts))
-            resp.end()
-
-    def _push(self, resp: Response, out: ChunkFramer, batch: list[ChunkInfo], stream: UpstreamStream,
-              tail: list[bytes]) -> bool:
-        """Write one read's frames as one HTTP chunk, from the miner's read callback; False: stop pushing.
-
-        The read that ended the stream is not written here: its frames go to ``tail``, to leave with
-        the closing frames (usage, ``[DONE]`` or the error event) in the relay's last write.
-        """
-        if stream.finished:
-            self._frames(out, batch, tail)
-            return True
-        if resp.client_gone:
-            return False  # the handler is being cancelled
-        parts: list[bytes] = []
-        self._frames(out, batch, parts)
-        resp.push(b"".join(parts))
-        return resp.unsent <= PUSH_HIGH_WATER
+    async def _end(self, send: Send, req: ChatRequest, stream: UpstreamStream, out: ChunkFramer,
+                   parts: list[bytes]) -> None:
+        if req.include_usage:
+            parts.append(out.usage(self._usage(req, stream)))
+        parts.append(DONE_FRAME)
+        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": False})
+        self.outcomes["200"] += 1
 
     def _frames(self, out: ChunkFramer, chunks: list[ChunkInfo], parts: list[bytes], *, first: bool = False,
                 stream: UpstreamStream | None = None) -> None:
@@ -228,7 +182,7 @@ class Relay:
             else:
                 parts.append(frame(out.chunk(delta, ch.finish_reason)))
 
-    async def _assemble(self, resp: Response, req: ChatRequest, stream: UpstreamStream) -> None:
+    async def _assemble(self, send: Send, req: ChatRequest, stream: UpstreamStream) -> None:
         parts: list[str] = []
         while batch := await stream.next_batch():  # UpstreamError: the caller tries another miner
             parts += [ch.content for ch in batch]
@@ -243,7 +197,7 @@ class Relay:
             "tensorgate": self._served_by(stream),
         }
         self.outcomes["200"] += 1
-        resp.send_json(200, body, headers={self.config.served_by_header: str(stream.uid)})
+        await send_json(send, 200, body, headers={self.config.served_by_header: str(stream.uid)})
 
 
 def _has_content(chunks: list[ChunkInfo]) -> bool:

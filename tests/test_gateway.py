@@ -715,8 +715,8 @@ async def test_decode_concurrency_counts_requests_that_join_mid_stream(make_sim_
     try:
         stream = await h.upstream.open(lease_a, body(max_tokens=900))
         async with stream:
-            async for chunk in stream:
-                if chunk.content and joined is None and stream.tokens >= 100:
+            while batch := await stream.next_batch():
+                if joined is None and stream.tokens >= 100 and any(c.content for c in batch):
                     joined = asyncio.create_task(second())
         await joined
     finally:
@@ -874,31 +874,24 @@ def test_signer_fast_path_signs_like_the_sdk(alice, miner_keys):
             bt.http_auth.verify(h, body_bytes + b" ", method="POST", path="/p", self_hotkey_ss58=bob)
 
 
-async def test_next_batch_yields_what_iteration_yields(make_miner, make_gateway):
+async def test_next_batch_returns_each_read_then_ends_without_waiting(make_miner, make_gateway):
     m = await make_miner(Script("ok", tokens=6))
     h = await make_gateway([m])
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
-    got: dict[str, list] = {}
-    for how in ("iterate", "batch"):
-        lease = h.router.acquire()
-        assert lease is not None
-        try:
-            async with await h.upstream.open(lease, payload) as stream:
-                chunks = []
-                if how == "iterate":
-                    chunks = [ch async for ch in stream]
-                else:
-                    while batch := await stream.next_batch():
-                        assert batch
-                        chunks += batch
-                    assert stream.ready and await stream.next_batch() == []  # ended: never waits again
-                assert stream.ok and stream.tokens == 6
-                got[how] = chunks
-        finally:
-            h.router.release(lease)
-    assert got["batch"] == got["iterate"]
-    assert [c.content for c in got["batch"] if c.content] == [m.token(i) for i in range(6)]
-    assert [x.ok for x in h.measurements()] == [True, True]
+    lease = h.router.acquire()
+    assert lease is not None
+    try:
+        async with await h.upstream.open(lease, payload) as stream:
+            chunks = []
+            while batch := await stream.next_batch():
+                assert batch  # a read without chunks is not returned as an empty batch
+                chunks += batch
+            assert stream.ok and stream.tokens == 6
+            assert await asyncio.wait_for(stream.next_batch(), 0.5) == []  # ended: never waits again
+    finally:
+        h.router.release(lease)
+    assert [c.content for c in chunks if c.content] == [m.token(i) for i in range(6)]
+    assert [x.ok for x in h.measurements()] == [True]
 
 
 async def test_deadline_moves_with_events_and_total_still_caps(make_miner, make_gateway):
@@ -942,112 +935,49 @@ async def test_relayed_frames_are_the_openai_shape(make_miner, make_gateway):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5 and usage["id"] == cid
 
 
-async def test_relay_writes_at_most_once_per_miner_read(make_miner, make_gateway, monkeypatch):
-    """Headers go out with the first frame, usage and ``[DONE]`` with the last: never a write per chunk."""
-    from gateway import relay, upstream
-    from gateway.http import server as http_server
+async def test_relay_sends_once_per_miner_read_with_head_and_tail_joined(make_miner, make_gateway):
+    """Headers go out with the first frame, usage and ``[DONE]`` with the last: never a send per chunk."""
+    from gateway.protocol.openai import SchemaLimits, parse_chat_request
 
-    counts = Counter()
-    Resp = http_server.Response
-    real_start, real_write, real_end = Resp.start, Resp.write, Resp.end
-    real_on_read = upstream.UpstreamStream.on_read
-
-    def start(self, status, headers, first=b""):
-        counts["write"] += 1
-        real_start(self, status, headers, first)
-
-    async def write(self, data):
-        counts["write"] += 1
-        await real_write(self, data)
-
-    def end(self, data=b""):
-        counts["write"] += bool(data)
-        real_end(self, data)
-
-    def on_read(self, conn):  # one call per network read from the miner
-        counts["read"] += 1
-        real_on_read(self, conn)
-
-    real_push = relay.Relay._push
-
-    def push(self, resp, out, batch, stream, tail):  # a write straight from the read callback
-        counts["write"] += not stream.finished  # the last read's frames join the closing write instead
-        counts["push"] += 1
-        return real_push(self, resp, out, batch, stream, tail)
-
-    monkeypatch.setattr(relay.Relay, "_push", push)
-    monkeypatch.setattr(Resp, "start", start)
-    monkeypatch.setattr(Resp, "write", write)
-    monkeypatch.setattr(Resp, "end", end)
-    monkeypatch.setattr(upstream.UpstreamStream, "on_read", on_read)
     m = await make_miner(Script("ok", tokens=8, token_delay=0.02))  # tokens 1..7 arrive in reads of their own
     h = await make_gateway([m])
-    async with h.chat(body(max_tokens=8, stream_options={"include_usage": True})) as r:
-        events = await read_sse(r)
-    assert contents(events) == [m.token(i) for i in range(8)] and events[-1] == "[DONE]"
-    # 12 frames (role, 8 tokens, finish, usage, [DONE]): role+token 0 share a write, as do usage+[DONE]
-    # (with token 7 and the finish when they came in the same read); a write per frame would be 12
-    assert len(events) == 12 and 1 <= counts["write"] <= min(10, counts["read"])
-    assert counts["push"] >= 5  # after the first write, tokens were pushed from the read callback
+    sent: list[dict] = []
 
+    async def send(message: dict) -> None:
+        sent.append(message)
 
-async def test_the_first_token_is_written_from_the_miner_read_that_brought_it(make_miner, make_gateway,
-                                                                               monkeypatch):
-    """No task switch between the first token's arrival and its write: the answer starts in the read callback."""
-    from gateway import upstream
-    from gateway.http import server as http_server
-
-    in_read = [False]
-    starts: list[bool] = []
-    real_on_read, real_start = upstream.UpstreamStream.on_read, http_server.Response.start
-
-    def on_read(self, conn):
-        in_read[0] = True
-        try:
-            real_on_read(self, conn)
-        finally:
-            in_read[0] = False
-
-    def start(self, status, headers, first=b""):
-        starts.append(in_read[0])
-        real_start(self, status, headers, first)
-
-    monkeypatch.setattr(upstream.UpstreamStream, "on_read", on_read)
-    monkeypatch.setattr(http_server.Response, "start", start)
-    m = await make_miner(Script("ok", tokens=4, first_token_delay=0.05, token_delay=0.01))
-    h = await make_gateway([m])
-    async with h.chat(body(max_tokens=4)) as r:
-        events = await read_sse(r)
-    assert contents(events) == [m.token(i) for i in range(4)]
-    assert starts == [True]
-
-
-async def test_a_client_that_falls_behind_leaves_the_push_path_and_loses_nothing(make_miner, make_gateway,
-                                                                                monkeypatch):
-    from gateway import relay
-    from gateway.http import server as http_server
-
-    calls = Counter()
-    real_push, real_write = relay.Relay._push, http_server.Response.write
-
-    def push(self, resp, out, batch, stream, tail):
-        calls["push"] += 1
-        return real_push(self, resp, out, batch, stream, tail)
-
-    async def write(self, data):
-        calls["write"] += 1
-        await real_write(self, data)
-
-    monkeypatch.setattr(relay.Relay, "_push", push)
-    monkeypatch.setattr(http_server.Response, "write", write)
-    monkeypatch.setattr(relay, "PUSH_HIGH_WATER", -1)  # the first write already finds the client "behind"
-    m = await make_miner(Script("ok", tokens=12, token_delay=0.01))
-    h = await make_gateway([m])
-    async with h.chat(body(max_tokens=12)) as r:
-        events = await read_sse(r)
-    assert calls["push"] == 0 and calls["write"] >= 5  # no push after the first write: the awaited path
-    assert contents(events) == [m.token(i) for i in range(12)] and events[-1] == "[DONE]"
+    req = parse_chat_request(body(max_tokens=8, stream_options={"include_usage": True}), SchemaLimits(models=(MODEL,)))
+    await h.gateway.relay.dispatch(req, send)
+    start, bodies = sent[0], sent[1:]
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    assert all(b["type"] == "http.response.body" for b in bodies)
+    assert [b["more_body"] for b in bodies] == [True] * (len(bodies) - 1) + [False]
+    frames = b"".join(b["body"] for b in bodies).split(b"\n\n")[:-1]
+    assert len(frames) == 12  # role, 8 tokens, finish, usage, [DONE]
+    assert b"role" in bodies[0]["body"] and m.token(0).encode() in bodies[0]["body"]  # role + first token: one send
+    assert bodies[-1]["body"].endswith(b"data: [DONE]\n\n") and b'"usage"' in bodies[-1]["body"]
+    assert len(bodies) < len(frames)  # reads, not frames, set the number of sends
     assert h.measurements()[-1].ok
+
+
+async def test_a_client_that_never_reads_costs_the_miner_nothing(make_miner, make_gateway):
+    """While the relay waits for a slow client to take a write, no miner deadline runs: the miner is
+    not booked ``timeout`` for the client's back-pressure."""
+    from gateway.protocol.openai import SchemaLimits, parse_chat_request
+
+    m = await make_miner(Script("ok", tokens=6))
+    h = await make_gateway([m], timeouts=UpstreamTimeouts(connect=2.0, first_token=1.0, stall=0.2, total=15.0))
+    writes = 0
+
+    async def slow_send(message: dict) -> None:
+        nonlocal writes
+        writes += 1
+        if writes == 2:
+            await asyncio.sleep(0.6)  # three stall periods with the client not reading
+
+    req = parse_chat_request(body(max_tokens=6), SchemaLimits(models=(MODEL,)))
+    await h.gateway.relay.dispatch(req, slow_send)
+    assert [x.failure for x in h.measurements()] == [None]
 
 
 async def test_http10_client_gets_a_whole_stream_without_chunk_framing(make_miner, make_gateway):
@@ -1063,7 +993,7 @@ async def test_http10_client_gets_a_whole_stream_without_chunk_framing(make_mine
     finally:
         writer.close()
     head, _, payload = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+    assert head.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")) and b"chunked" not in head.lower()
     events = [line[6:].decode() for line in payload.split(b"\n") if line.startswith(b"data: ")]
     assert all(line.startswith(b"data: ") for line in payload.split(b"\n") if line)  # no chunk sizes between
     parsed = [json.loads(e) if e != "[DONE]" else e for e in events]

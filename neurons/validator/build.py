@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.app import Gateway, GatewayConfig
-from gateway.http.client import MinerPool
+from gateway.http.client import MinerClient
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Router
 from gateway.upstream import Upstream, UpstreamTimeouts
@@ -47,7 +47,7 @@ class ValidatorParts:
     config: ValidatorConfig
     keypair: Any
     router: Router
-    pool: MinerPool
+    client: MinerClient
     measurements: MeasurementQueue
     upstream: Upstream
     gateway: Gateway
@@ -59,7 +59,7 @@ class ValidatorParts:
         """Stop serving and drop miner connections (the chain and the store are the validator's)."""
         await self.probes.aclose()
         await self.gateway.stop()
-        await self.pool.close()
+        await self.client.close()
 
 
 def build_parts(
@@ -82,9 +82,9 @@ def build_parts(
     """
     seed_rng = rng if rng is not None else random.Random(cfg.seed)
     router = router if router is not None else Router(rng=random.Random(seed_rng.random()))
-    pool = MinerPool()
+    client = MinerClient()
     measurements = MeasurementQueue()
-    upstream = Upstream(pool, RequestSigner(keypair), sink if sink is not None else measurements, timeouts=timeouts)
+    upstream = Upstream(client, RequestSigner(keypair), sink if sink is not None else measurements, timeouts=timeouts)
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
     gateway_options.setdefault("keys_file", cfg.api_keys_file)
     gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
@@ -93,7 +93,7 @@ def build_parts(
     scorer = Scorer(credit or CreditConfig(), window=cfg.settlement_rounds, restore_max_age_s=cfg.restore_max_age_s)
     prompts = PromptGenerator(random.Random(seed_rng.random()))
     probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()))
-    return ValidatorParts(cfg, keypair, router, pool, measurements, upstream, gateway, scorer, prompts, probes)
+    return ValidatorParts(cfg, keypair, router, client, measurements, upstream, gateway, scorer, prompts, probes)
 
 
 def build_validator(cfg: ValidatorConfig, chain: Chain, keypair: Any, **kwargs: Any) -> Validator:

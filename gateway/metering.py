@@ -1,0 +1,131 @@
+"""Measuring one miner stream from its bytes: pure code, fed the body as it arrives, with the time it arrived.
+
+Everything the validator pays on is decided here, so it is kept apart from sockets and tested byte by
+byte: TTFT ends at the first chunk that carries content (a role-only prelude does not count);
+completion tokens are the content chunks counted here, never the miner's usage claim; a stream is
+complete only with ``[DONE]`` or a finish reason followed by a clean end. Whatever a miner sends that
+breaks these rules raises :class:`MeterFailure` with the :class:`~scoring.measurement.FailureReason`
+it earns: garbage (invalid SSE, JSON, UTF-8, NaN, wrong shape), overlong (more tokens than
+``max_tokens``), empty (finished without content), dropped (an error event, or the end before a
+finish).
+
+Example::
+
+    meter = StreamMeter(max_tokens=64, started_at=t0)
+    chunks = meter.feed(b'data: {"choices":[{"delta":{"content":"Hi"}}]}\\n\\n', now=t0 + 0.3)
+    meter.ttft_s, meter.tokens          # 0.3, 1
+    meter.feed(b"data: [DONE]\\n\\n", now=t0 + 0.4)
+    meter.done                          # True
+"""
+
+from __future__ import annotations
+
+from scoring.measurement import FailureReason
+
+from .protocol.sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
+
+
+class MeterFailure(Exception):
+    """The stream broke a rule; ``reason`` is what the miner is booked for."""
+
+    def __init__(self, reason: FailureReason, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class StreamMeter:
+    """The state of one stream's measurement. ``feed`` and ``end`` raise :class:`MeterFailure`."""
+
+    def __init__(self, max_tokens: int, started_at: float, *, max_line_bytes: int = 64 * 1024,
+                 max_content_chars: int = 4096) -> None:
+        self.max_tokens = max_tokens
+        self.started_at = started_at
+        self._parser = SSEParser(max_line_bytes=max_line_bytes)
+        self._decoder = ChunkDecoder(max_content_chars)
+        self.tokens = 0
+        self.ttft_s: float | None = None
+        self.last_event_at = started_at  # any valid event: what the stall deadline counts from
+        self.last_content_at = started_at
+        self.finish_reason: str | None = None
+        self.usage: dict[str, int] | None = None
+        self.done = False  # [DONE] seen: the answer is complete
+        self.pending: MeterFailure | None = None  # a failure found after valid chunks of the same read
+        self._conc_area = 0.0
+
+    @property
+    def content_started(self) -> bool:
+        return self.ttft_s is not None
+
+    def feed(self, data: bytes, now: float, in_flight: int = 1) -> list[ChunkInfo]:
+        """The chunks in ``data`` (one network read). ``in_flight``: the miner's streams right now.
+
+        A rule broken after valid chunks of the same read is kept in ``pending`` and those chunks are
+        returned (what the miner sent before breaking a rule still reaches the client); the next
+        :meth:`feed` or :meth:`end` raises it. Bytes after ``[DONE]`` are ignored.
+        """
+        if self.pending is not None:
+            raise self.pending
+        if self.done or not data:
+            return []
+        out: list[ChunkInfo] = []
+        try:
+            self._feed(data, now, in_flight, out)
+        except MeterFailure as e:
+            if not out:
+                raise
+            self.pending = e
+        return out
+
+    def _feed(self, data: bytes, now: float, in_flight: int, out: list[ChunkInfo]) -> None:
+        try:
+            events = self._parser.feed(data)
+        except SSEGarbage as e:
+            raise MeterFailure(FailureReason.GARBAGE, str(e)) from None
+        for ev in events:
+            if ev == DONE or (ev[:1] != "{" and ev.strip() == DONE):
+                if self.tokens == 0:
+                    raise MeterFailure(FailureReason.EMPTY, "[DONE] without content")
+                self.done = True
+                break
+            try:
+                chunk = self._decoder.decode(ev)
+            except SSEErrorEvent as e:
+                raise MeterFailure(FailureReason.DROPPED, str(e)) from None
+            except SSEGarbage as e:
+                raise MeterFailure(FailureReason.GARBAGE, str(e)) from None
+            self.last_event_at = now
+            if chunk.content:
+                if self.tokens >= self.max_tokens:
+                    raise MeterFailure(FailureReason.OVERLONG, f"more than max_tokens={self.max_tokens} tokens")
+                self.tokens += 1
+                if self.ttft_s is None:
+                    self.ttft_s = now - self.started_at
+                else:
+                    self._conc_area += in_flight * (now - self.last_content_at)
+                self.last_content_at = now
+            if chunk.finish_reason is not None:
+                self.finish_reason = chunk.finish_reason
+            if chunk.usage is not None:
+                self.usage = chunk.usage
+            out.append(chunk)
+
+    def end(self) -> None:
+        """The body ended without ``[DONE]``: complete only when a finish reason came after content."""
+        if self.pending is not None:
+            raise self.pending
+        if self.done:
+            return
+        if self.finish_reason is not None and self.tokens > 0:
+            self.done = True  # finished but forgot [DONE]: the answer is complete
+        elif self.finish_reason is not None:
+            raise MeterFailure(FailureReason.EMPTY, "finished without content")
+        else:
+            raise MeterFailure(FailureReason.DROPPED, "stream ended before finish")
+
+    def decode_concurrency(self) -> float | None:
+        """Time-weighted mean of the miner's streams while this one decoded (itself included)."""
+        if self.ttft_s is None:
+            return None
+        decode_s = self.last_content_at - (self.started_at + self.ttft_s)
+        return self._conc_area / decode_s if decode_s > 0 else None

@@ -1,0 +1,205 @@
+"""The gateway's HTTP edge, byte by byte: each defect found in the hand-written server has a test here.
+
+Raw sockets on loopback, because these are the requests a well-behaved client library never sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+from scoring.measurement import FailureReason
+from tests.conftest import API_KEY
+from tests.fakes import Script, body
+
+AUTH = f"Authorization: Bearer {API_KEY}\r\n".encode()
+
+
+async def _exchange(port: int, data: bytes, *, half_close: bool = False, within: float = 5.0,
+                    done: Callable[[bytes], bool] | None = None) -> bytes:
+    """Send ``data``, then read until the gateway closes or goes quiet for a moment."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        if half_close:
+            writer.write_eof()
+        out = b""
+        end = asyncio.get_running_loop().time() + within
+        while not (done or _complete)(out):
+            left = end - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            try:
+                got = await asyncio.wait_for(reader.read(65536), left)
+            except TimeoutError:
+                break
+            if not got:
+                break
+            out += got
+        return out
+    finally:
+        writer.close()
+
+
+def _complete(answer: bytes) -> bool:
+    """Whether ``answer`` holds one whole final response (by Content-Length or the chunked terminator)."""
+    while answer.startswith(b"HTTP/1.1 1"):  # an interim 1xx answer: the final one follows
+        answer = answer.partition(b"\r\n\r\n")[2]
+    head, sep, rest = answer.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.lower().split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return len(rest) >= int(line.split(b":")[1])
+    return rest.endswith(b"0\r\n\r\n")
+
+
+def _chat_request(extra_headers: bytes = b"", version: bytes = b"HTTP/1.1", host: bool = True) -> bytes:
+    raw = json.dumps(body(max_tokens=3)).encode()
+    head = b"POST /v1/chat/completions " + version + b"\r\n" + (b"Host: gw\r\n" if host else b"") + AUTH
+    return head + b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(raw) + extra_headers + b"\r\n" + raw
+
+
+@pytest.fixture
+async def gw(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=3))
+    return await make_gateway([m])
+
+
+async def test_a_header_line_that_never_ends_is_refused_not_buffered(gw) -> None:
+    """4 MiB of one header line, never ended: refused once past the head limit, the connection closed.
+    (The old server buffered it all, +8.5 MiB RSS a connection, until its 75 s timer.)"""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.gateway.port)
+    t0 = time.monotonic()
+    sent = 0
+    writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\nX-Long: ")
+    try:
+        for _ in range(64):
+            writer.write(b"a" * 65536)
+            await asyncio.wait_for(writer.drain(), 2.0)
+            sent += 65536
+    except (ConnectionError, TimeoutError):
+        pass
+    try:
+        answer = await asyncio.wait_for(reader.read(4096), 3.0)
+    except ConnectionError:
+        answer = b""  # closed with our bytes unread: the kernel may turn the close into a reset
+    writer.close()
+    assert time.monotonic() - t0 < 5.0
+    assert answer == b"" or answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 431")), answer[:80]
+    assert sent < 4 * 1024 * 1024 or answer  # it did not sit there reading the whole line
+
+
+async def test_http09_request_is_refused(gw) -> None:
+    answer = await _exchange(gw.gateway.port, b"GET /health\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+
+
+async def test_http11_without_host_is_refused(gw) -> None:
+    answer = await _exchange(gw.gateway.port, b"GET /health HTTP/1.1\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+    ok = await _exchange(gw.gateway.port, b"GET /health HTTP/1.0\r\n\r\n")  # HTTP/1.0 needs no Host
+    assert b" 200 " in ok.split(b"\r\n", 1)[0]
+
+
+async def test_control_characters_in_header_values_are_refused(gw) -> None:
+    answer = await _exchange(gw.gateway.port, b"GET /health HTTP/1.1\r\nHost: gw\r\nX-A: a\x01b\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+    tab = await _exchange(gw.gateway.port, b"GET /health HTTP/1.1\r\nHost: gw\r\nX-A: a\tb\r\n\r\n")
+    assert tab.startswith(b"HTTP/1.1 200")  # a tab is allowed in a field value
+
+
+async def test_h2c_upgrade_is_ignored_and_the_body_kept(gw) -> None:
+    """``curl --http2`` on plain HTTP sends ``Upgrade: h2c``: served as HTTP/1.1, body intact."""
+    req = _chat_request(b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                        b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n")
+    answer = await _exchange(gw.gateway.port, req)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:120]
+    assert b"data: [DONE]" in answer
+
+
+async def test_a_half_closed_client_is_treated_as_gone_and_no_miner_is_blamed(make_miner, make_gateway) -> None:
+    """A half-close looks like a close until the server writes; freeing the miner's slot at once wins.
+    Quick answers still reach a half-closed client."""
+    m = await make_miner(Script("ok", tokens=3, first_token_delay=0.3))
+    h = await make_gateway([m])
+    health = await _exchange(h.gateway.port, b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n", half_close=True)
+    assert health.startswith(b"HTTP/1.1 200")
+    await _exchange(h.gateway.port, _chat_request(), half_close=True, within=2.0)
+    assert await _until(lambda: h.router.total_in_flight() == 0 and m.active == 0)
+    assert await _until(lambda: len(h.measurements()) == 1)
+    assert [x.failure for x in h.measurements()] == [FailureReason.CLIENT_DISCONNECT]
+
+
+async def test_expect_100_continue_with_trailing_space(gw) -> None:
+    raw = json.dumps(body(max_tokens=3)).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH +
+            b"Content-Type: application/json\r\nExpect: 100-continue \r\nContent-Length: %d\r\n\r\n" % len(raw))
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.gateway.port)
+    try:
+        writer.write(head)
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2.0)
+        assert interim.startswith(b"HTTP/1.1 100"), interim
+        writer.write(raw)
+        rest = await asyncio.wait_for(reader.readuntil(b"data: [DONE]\n\n"), 5.0)
+    finally:
+        writer.close()
+    assert rest.startswith(b"HTTP/1.1 200")
+
+
+async def test_unauthenticated_request_is_refused_from_its_head(gw) -> None:
+    """The 401 comes before the announced megabyte is sent: the body is never read."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 1048000\r\n\r\n"
+    answer = await _exchange(gw.gateway.port, head, within=3.0)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:80]
+    assert b"invalid_api_key" in answer
+
+
+async def test_body_over_the_cap_is_refused_by_length_and_while_chunked(make_miner, make_gateway) -> None:
+    m = await make_miner(Script("ok", tokens=3))
+    h = await make_gateway([m], max_body_bytes=4096)
+    by_length = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH +
+                 b"Content-Length: 5000\r\n\r\n" + b"x" * 5000)
+    assert (await _exchange(h.gateway.port, by_length)).startswith(b"HTTP/1.1 413")
+    chunk = b"x" * 3000
+    chunked = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Transfer-Encoding: chunked\r\n\r\n" +
+               b"%x\r\n%s\r\n" % (len(chunk), chunk) * 2 + b"0\r\n\r\n")
+    assert (await _exchange(h.gateway.port, chunked)).startswith(b"HTTP/1.1 413")
+    assert m.requests == 0 and h.gateway.outcomes["413"] == 2
+
+
+async def test_pipelined_requests_are_answered_in_order(gw) -> None:
+    two = b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\nGET /nope HTTP/1.1\r\nHost: gw\r\n\r\n"
+    answer = await _exchange(gw.gateway.port, two, done=lambda out: out.count(b"HTTP/1.1 ") == 2 and _complete(
+        out[out.rfind(b"HTTP/1.1 "):]))
+    first = answer.find(b"HTTP/1.1 200")
+    second = answer.find(b"HTTP/1.1 404")
+    assert 0 <= first < second, answer[:200]
+
+
+async def test_stop_lets_a_stream_finish_within_the_grace_period(make_miner, make_gateway) -> None:
+    m = await make_miner(Script("ok", tokens=6, token_delay=0.1))
+    h = await make_gateway([m], shutdown_timeout=5.0)
+    port = h.gateway.port
+    task = asyncio.create_task(_exchange(port, _chat_request(), within=8.0))
+    assert await _until(lambda: m.active == 1)
+    await h.gateway.stop()
+    answer = await task
+    assert b"data: [DONE]" in answer
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), 0.5).close()  # no longer listening
+
+
+async def _until(cond, within: float = 5.0) -> bool:
+    end = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        await asyncio.sleep(0.01)
+    return True
