@@ -6,8 +6,8 @@ life from router lease to last byte), ``/v1/models``, ``/v1/status`` and ``/heal
 an OpenAI-shaped error (:mod:`gateway.protocol.errors`), counted in ``outcomes`` with the relay's own
 stream outcomes, so the status page shows one ledger.
 
-It is a raw ASGI callable, no framework: the HTTP server underneath (:mod:`gateway.http.server`) can be
-swapped, and the refusals a server may let through are checked here once for all of them: HTTP/0.9,
+It is a raw ASGI callable, no framework, served by aiohttp (:mod:`gateway.http.server`) and servable by
+any ASGI server; the refusals some servers let through are checked here once for all of them: HTTP/0.9,
 HTTP/1.1 without ``Host``, control characters in header values. A completion request is authorised
 from its head, before its body is read, and a body over ``max_body_bytes`` is refused as soon as that
 is known (``Content-Length``, or while reading a chunked one).
@@ -36,7 +36,7 @@ from loguru import logger
 
 from .asgi import ClientGone, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, load_key_hashes
-from .http.server import HttpServer, Protocol
+from .http.server import CANCELS_ON_DISCONNECT, HttpServer
 from .protocol.errors import GatewayError, invalid_json, payload_too_large, unauthorized
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SchemaLimits, parse_chat_request
 from .relay import Relay, RelayConfig
@@ -62,7 +62,6 @@ class GatewayConfig:
     timeouts: UpstreamTimeouts | None = None  # None: the Upstream's own
     served_by_header: str = "X-Tensorgate-Miner-Uid"
     shutdown_timeout: float = 5.0
-    http: Protocol = "h11"  # uvicorn's HTTP/1.1 protocol, h11 or httptools (gateway.http.server says why h11)
     # Once listening, what the process allocated so far (the SDK, imports, the metagraph) lives as long as it
     # does: gc.freeze() takes it out of full collections, each of which would otherwise scan it while every
     # stream waits (one took 66 ms under load). Off in tests, which start many gateways in one process.
@@ -118,7 +117,7 @@ class Gateway:
 
     async def start(self) -> None:
         c = self.config
-        server = HttpServer(self, host=c.host, port=c.port, protocol=c.http, keepalive_timeout=c.keepalive_timeout,
+        server = HttpServer(self, host=c.host, port=c.port, keepalive_timeout=c.keepalive_timeout,
                             max_head_bytes=c.max_head_bytes, shutdown_timeout=c.shutdown_timeout)
         await server.start()
         self._server = server
@@ -235,7 +234,7 @@ class Gateway:
         except (ValueError, RecursionError):
             raise invalid_json() from None
         req = parse_chat_request(body, self.limits)
-        await self.relay.serve(req, receive, send)
+        await self.relay.serve(req, receive, send, watch=not scope.get(CANCELS_ON_DISCONNECT, False))
 
 
 def _headers(scope: Scope) -> dict[str, str]:

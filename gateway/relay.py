@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import Counter
@@ -61,11 +62,21 @@ class Relay:
         self.upstream = upstream
         self.outcomes = outcomes
 
-    async def serve(self, req: ChatRequest, receive: Receive, send: Send) -> None:
-        """Answer ``req``; a client that leaves cancels it at once (its miner's slot is freed)."""
-        async with client_watch(receive) as watch:
+    async def serve(self, req: ChatRequest, receive: Receive, send: Send, *, watch: bool = True) -> None:
+        """Answer ``req``; a client that leaves cancels it at once (its miner's slot is freed).
+
+        ``watch``: watch ``receive`` for the disconnect; False when the server cancels the handler itself.
+        """
+        if not watch:
+            try:
+                await self.dispatch(req, send)
+            except asyncio.CancelledError:
+                self.outcomes["client_disconnect"] += 1
+                raise
+            return
+        async with client_watch(receive) as w:
             await self.dispatch(req, send)
-        if watch.gone:
+        if w.gone:
             self.outcomes["client_disconnect"] += 1
 
     async def dispatch(self, req: ChatRequest, send: Send) -> None:

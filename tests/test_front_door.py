@@ -97,20 +97,22 @@ async def test_a_header_line_that_never_ends_is_refused_not_buffered(gw) -> None
 
 
 async def test_http09_request_is_refused(gw) -> None:
+    """The old server answered ``GET /health`` with no version as ``HTTP/1.9 200``."""
     answer = await _exchange(gw.gateway.port, b"GET /health\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), answer[:80]
+    assert b"only HTTP/1.0 and HTTP/1.1" in answer
 
 
 async def test_http11_without_host_is_refused(gw) -> None:
     answer = await _exchange(gw.gateway.port, b"GET /health HTTP/1.1\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), answer[:80]
     ok = await _exchange(gw.gateway.port, b"GET /health HTTP/1.0\r\n\r\n")  # HTTP/1.0 needs no Host
     assert b" 200 " in ok.split(b"\r\n", 1)[0]
 
 
 async def test_control_characters_in_header_values_are_refused(gw) -> None:
     answer = await _exchange(gw.gateway.port, b"GET /health HTTP/1.1\r\nHost: gw\r\nX-A: a\x01b\r\n\r\n")
-    assert answer.startswith(b"HTTP/1.1 400"), answer[:80]
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), answer[:80]
     tab = await _exchange(gw.gateway.port, b"GET /health HTTP/1.1\r\nHost: gw\r\nX-A: a\tb\r\n\r\n")
     assert tab.startswith(b"HTTP/1.1 200")  # a tab is allowed in a field value
 
@@ -125,12 +127,9 @@ async def test_h2c_upgrade_is_ignored_and_the_body_kept(gw) -> None:
 
 
 async def test_a_half_closed_client_is_treated_as_gone_and_no_miner_is_blamed(make_miner, make_gateway) -> None:
-    """A half-close looks like a close until the server writes; freeing the miner's slot at once wins.
-    Quick answers still reach a half-closed client."""
+    """A half-close looks like a close until the server writes; freeing the miner's slot at once wins."""
     m = await make_miner(Script("ok", tokens=3, first_token_delay=0.3))
     h = await make_gateway([m])
-    health = await _exchange(h.gateway.port, b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n", half_close=True)
-    assert health.startswith(b"HTTP/1.1 200")
     await _exchange(h.gateway.port, _chat_request(), half_close=True, within=2.0)
     assert await _until(lambda: h.router.total_in_flight() == 0 and m.active == 0)
     assert await _until(lambda: len(h.measurements()) == 1)
@@ -203,3 +202,34 @@ async def _until(cond, within: float = 5.0) -> bool:
             return False
         await asyncio.sleep(0.01)
     return True
+
+
+async def test_accepted_connections_have_nagle_off() -> None:
+    """With Nagle on, a stream's last write waited for the client's delayed ACK: +40 ms a keep-alive request.
+    asyncio turns it off only for sockets whose ``proto`` says TCP, which ``socket.create_server``'s do not."""
+    from gateway.http.server import _listen
+
+    accepted: list[socket.socket] = []
+
+    class Keep(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            accepted.append(transport.get_extra_info("socket"))
+
+    listener = _listen("127.0.0.1", 0, 16)
+    server = await asyncio.get_running_loop().create_server(Keep, sock=listener)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
+        assert await _until(lambda: bool(accepted))
+        assert accepted[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        writer.close()
+    finally:
+        server.close()
+
+
+async def test_malformed_requests_do_not_fill_the_log(gw, caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp logs a traceback at ERROR for each malformed request: a log any client could fill."""
+    caplog.set_level("DEBUG")
+    for bad in (b"GET /health HTTP/1.1\r\nHost: gw\r\nX-A: a\x01b\r\n\r\n", b"GET /health HTTP/1.1\r\n\r\n",
+                b"GARBAGE\r\n\r\n"):
+        assert b" 400 " in (await _exchange(gw.gateway.port, bad)).split(b"\r\n", 1)[0]
+    assert [r for r in caplog.records if r.name.startswith("aiohttp")] == []
