@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import bittensor as bt
-from bittensor.result import BittensorError
+from bittensor import BittensorError
 
 from .chain.local_substrate import LocalSubstrate
 from .chain.subtensor import ChainUnavailable, route_sdk_logging, use_token_symbols_cache

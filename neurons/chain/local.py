@@ -31,12 +31,37 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bittensor.intents.weights import _conform, _preflight
-from bittensor.result import BittensorError
+import bittensor as bt
 
 from .base import WeightsOutcome
 from .local_substrate import LocalSubstrate
 from .subtensor import SubtensorChain
+
+
+class PlaintextView:
+    """The local chain as a ``bt.Substrate`` that reports commit-reveal off: for planning only.
+
+    Every call goes to the real :class:`LocalSubstrate` except the ``CommitRevealWeightsEnabled`` read;
+    closing the view leaves the chain open (it belongs to the :class:`LocalChain`).
+    """
+
+    def __init__(self, local: LocalSubstrate) -> None:
+        self._local = local
+
+    async def query(self, module: str, storage_function: str, params: list | None = None,
+                    block_hash: str | None = None) -> Any:
+        if (module, storage_function) == ("SubtensorModule", "CommitRevealWeightsEnabled"):
+            return False
+        return await self._local.query(module, storage_function, params, block_hash=block_hash)
+
+    async def connect(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._local, name)
 
 
 class LocalChain(SubtensorChain):
@@ -48,6 +73,7 @@ class LocalChain(SubtensorChain):
         super().__init__("local", netuid, wallet, substrate=substrate, state_dir=substrate.state_dir, **kwargs)
         self._local = substrate
         self._owns_substrate = owns_substrate
+        self._plan_client: bt.Client | None = None
 
     @classmethod
     def open(  # type: ignore[override]
@@ -77,26 +103,41 @@ class LocalChain(SubtensorChain):
     async def set_weights(self, weights: dict[int, float]) -> WeightsOutcome:
         """As on any chain; on a commit-reveal subnet the conformed plaintext is left with the local chain.
 
-        The plaintext is what the SDK's own ``_conform`` makes of these weights (the same function
-        ``SetWeights`` runs), so the local reveal applies exactly what the ciphertext holds.
+        A timelocked commit cannot be opened without drand, so the local chain is told the plaintext it
+        will reveal: what the SDK itself would submit on this subnet with commit-reveal off. It is read
+        from ``Client.plan(SetWeights)`` over :class:`PlaintextView` (same state, commit-reveal reported
+        off), so clipping, quantising and the checks are the SDK's, and the reveal applies exactly what
+        the ciphertext holds.
         """
         hotkey = self.hotkey
-        try:
-            if self._local.subnet(self.netuid).commit_reveal:
-                pre = await _preflight(self._local, hotkey, self.netuid, 0)
-                uids = sorted(int(u) for u in weights)
-                uids_q, values = _conform(uids, [float(weights[u]) for u in uids], pre, self.netuid)
-                self._local.expect_commit(self.netuid, hotkey, uids_q, values, self.version_key)
-        except BittensorError:
-            pass  # the SDK run below reports the same refusal as an outcome
+        if self._local.subnet(self.netuid).commit_reveal:
+            intent = bt.SetWeights(self.netuid, weights={int(u): float(w) for u, w in weights.items()},
+                                   version_key=self.version_key)
+            try:
+                plan = await (await self._planner()).plan(intent, self.wallet)
+            except bt.BittensorError:
+                plan = None  # the SDK run below reports the same refusal as an outcome
+            if plan is not None and plan.ok and plan.call is not None:
+                _, function, params = plan.call
+                if function == "set_mechanism_weights":
+                    self._local.expect_commit(self.netuid, hotkey, list(params["dests"]), list(params["weights"]),
+                                              self.version_key)
         try:
             return await super().set_weights(weights)
         finally:
             self._local.forget_commit(self.netuid, hotkey)
 
+    async def _planner(self) -> bt.Client:
+        if self._plan_client is None:
+            self._plan_client = await bt.Subtensor("local", substrate=PlaintextView(self._local))
+        return self._plan_client
+
     async def close(self) -> None:
-        """Close the SDK client; an owned substrate is flushed and its writer lock released."""
+        """Close the SDK clients; an owned substrate is flushed and its writer lock released."""
         await super().close()
+        planner, self._plan_client = self._plan_client, None
+        if planner is not None:
+            await planner.close()
         if self._owns_substrate:
             self._local.release()
         else:

@@ -57,10 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bittensor import sp_core
-from bittensor._generated.errors import ERRORS
-from bittensor.balance import Balance
-from bittensor.result import ChainError, ExtrinsicResult
+from bittensor import Balance, ChainError, ExtrinsicResult, sp_core
 from loguru import logger
 
 STATE_FILE = "local_chain.json"
@@ -71,7 +68,6 @@ MECHANISM_STRIDE = 4096  # GLOBAL_MAX_SUBNET_COUNT: storage index = mechid * 409
 MAX_UNREVEALED_COMMITS = 10
 EXTRINSIC_LOG_LIMIT = 500
 _STATE_VERSION = 1
-_ERROR_DOCS = {info.name: info.docs for info in ERRORS.values()}
 
 
 class StateDirLocked(RuntimeError):
@@ -83,7 +79,7 @@ class _Refused(Exception):
 
     def __init__(self, name: str, detail: str = "") -> None:
         self.name = name
-        self.text = _ERROR_DOCS.get(name, name) + (f" ({detail})" if detail else "")
+        self.text = name + (f" ({detail})" if detail else "")
         super().__init__(self.text)
 
 

@@ -36,8 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import bittensor as bt
-from bittensor._generated import storage
-from bittensor.result import BittensorError, ChainError, RpcConnectionError
+from bittensor import BittensorError, ChainError, RpcConnectionError
 from loguru import logger
 
 from .base import ChainParams, NeuronInfo, WeightsOutcome
@@ -45,6 +44,10 @@ from .base import ChainParams, NeuronInfo, WeightsOutcome
 U16_MAX = 65535
 RAO_PER_UNIT = 1e9
 TOKEN_SYMBOLS_ENV = "BTCLI_TOKEN_SYMBOLS_CACHE"
+# Storage items as the plain (pallet, item) pairs ``Client.query`` documents, not the SDK's generated catalog
+# (``bittensor._generated``, a private module whose layout may change in any 11.x release).
+NETWORKS_ADDED = ("SubtensorModule", "NetworksAdded")
+TEMPO = ("SubtensorModule", "Tempo")
 
 
 class ChainSeamError(Exception):
@@ -179,7 +182,7 @@ class SubtensorChain:
             raise ChainUnavailable(f"lost {self.network}: {e}") from e
 
     async def _subnet_exists(self) -> bool:
-        return bool(await self._read(lambda c: c.query(storage.SubtensorModule.NetworksAdded, [self.netuid])))
+        return bool(await self._read(lambda c: c.query(NETWORKS_ADDED, [self.netuid])))
 
     # -- Chain ------------------------------------------------------------------------------------
 
@@ -212,7 +215,7 @@ class SubtensorChain:
     async def params(self) -> ChainParams:
         async def fetch(c: bt.Client) -> ChainParams:
             tempo, rate, cr, max_w, min_w, block_time = await asyncio.gather(
-                c.query(storage.SubtensorModule.Tempo, [self.netuid]),
+                c.query(TEMPO, [self.netuid]),
                 c.read("weights_rate_limit", netuid=self.netuid),
                 c.read("commit_reveal_enabled", netuid=self.netuid),
                 c.read("max_weight_limit", netuid=self.netuid),
