@@ -38,6 +38,7 @@ import math
 import random
 from bisect import bisect_right
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -267,7 +268,7 @@ class Router:
 
     # -- choice ----------------------------------------------------------------------------------
 
-    def pick(self, exclude: frozenset[int] | set[int] = frozenset()) -> MinerState | None:
+    def pick(self, exclude: AbstractSet[int] = frozenset()) -> MinerState | None:
         """The miner the next request should go to, or None when nothing is eligible."""
         zero_only: list[MinerState] | None = None  # the least-loaded miners, if all scored 0
         for load in sorted(self._buckets):
@@ -302,7 +303,7 @@ class Router:
         pa, pb = self._pass(a), self._pass(b)
         return b if pb < pa else a  # equal: a, itself a random draw
 
-    def acquire(self, exclude: frozenset[int] | set[int] = frozenset()) -> Lease | None:
+    def acquire(self, exclude: AbstractSet[int] = frozenset()) -> Lease | None:
         """Pick a miner and count one request in flight on it."""
         m = self.pick(exclude)
         return None if m is None else self.acquire_uid(m.uid)

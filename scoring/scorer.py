@@ -175,8 +175,8 @@ class Scorer:
         round_scores = acc.scores()
         self.settlement.push(round_scores)
         settled = self.settlement.settled()
-        for hk, row in acc.miners.items():
-            self._uids[hk] = row.uid
+        for hk, played in acc.miners.items():
+            self._uids[hk] = played.uid
         self._routing = {hk: s for hk, s in settled.items() if hk not in round_scores}
         self._routing.update(round_scores)
         self._uids = {hk: uid for hk, uid in self._uids.items() if hk in settled}

@@ -367,15 +367,15 @@ def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | N
 
     # Drift (other tenants of the VM, thermal, ...) moves whole repetitions: the same difference taken within
     # each repetition, where the paths ran back to back, and its median, shows how much of a pooled figure is drift.
-    paired = []
+    paired: list[tuple[str, int, str, float, float, float, int, float]] = []
     for r in rows:
         base = (signed if r.path in GATEWAYS and r.concurrency in signed else direct).get(r.concurrency)
         if base is None or r.path == "direct" or len(r.rep_p50s) < 2 or len(base.rep_p50s) != len(r.rep_p50s):
             continue
         diffs = sorted(x - y for x, y in zip(r.rep_p50s, base.rep_p50s, strict=True))
         d99 = statistics.median(x - y for x, y in zip(r.rep_p99s, base.rep_p99s, strict=True))
-        paired.append([r.path, r.concurrency, base.path, statistics.median(diffs), diffs[0], diffs[-1], len(diffs),
-                       d99])
+        paired.append((r.path, r.concurrency, base.path, statistics.median(diffs), diffs[0], diffs[-1], len(diffs),
+                       d99))
     if paired:
         # A pooled p99 also takes in a single stall of the VM (tens of ms, seen here) in any one repetition; the
         # median over repetitions of each repetition's own p99 difference does not.

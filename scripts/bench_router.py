@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import random
 import sys
@@ -83,6 +84,10 @@ def run_overlap(r: Router, ops: int, in_flight: int, seed: int, exclude_n: int =
     return times
 
 
+def _overlap_k(r: Router, *, ops: int, k: int, seed: int) -> list[int]:
+    return run_overlap(r, ops, k, seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Router acquire+release micro-benchmark (target <= 20 µs).")
     p.add_argument("--smoke", action="store_true", help="few operations, seconds at most")
@@ -100,10 +105,12 @@ def main(argv: list[str] | None = None) -> int:
             return r, fn(r)
         patterns.append((name, go))
 
-    one = lambda uid: 1  # noqa: E731
+    def one(uid: int) -> int:
+        return 1
+
     add("serial", one, lambda r: run_serial(r, ops))
     for k in (64, 256, 1024):
-        add(f"overlap-{k}", one, lambda r, k=k: run_overlap(r, ops, k, a.seed))
+        add(f"overlap-{k}", one, functools.partial(_overlap_k, ops=ops, k=k, seed=a.seed))
     add("mixed-slots", lambda uid: 1 + uid % 8, lambda r: run_overlap(r, ops, 256, a.seed))
     add("retry-exclude", one, lambda r: run_overlap(r, ops, 256, a.seed, exclude_n=2))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,7 @@ def measure(
     tokens: int = 256,
     prompt: int = 100,
     ok: bool = True,
-    failure: str | None = None,
+    failure: FailureReason | None = None,
     latency: float | None = None,
 ) -> Measurement:
     """A measurement whose decode rate is ``rate`` tok/s (when given)."""
@@ -164,13 +165,13 @@ def test_too_few_tokens_means_ttft_only() -> None:
 
 
 @pytest.mark.parametrize("reason", [FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT])
-def test_not_the_miners_fault_is_excluded(reason: str) -> None:
+def test_not_the_miners_fault_is_excluded(reason: FailureReason) -> None:
     assert request_credit(measure(ok=False, failure=reason, ttft=None, latency=0.01), CFG) is None
 
 
 @pytest.mark.parametrize("reason", [FailureReason.CONNECT, FailureReason.TIMEOUT, FailureReason.DROPPED,
-                                    FailureReason.GARBAGE, "http_status", None])
-def test_miner_failures_are_zero(reason: str | None) -> None:
+                                    FailureReason.GARBAGE, FailureReason.HTTP_STATUS, None])
+def test_miner_failures_are_zero(reason: FailureReason | None) -> None:
     # Even with a good TTFT before the failure, a failed request earns nothing.
     assert request_credit(measure(rate=440.0, ok=False, failure=reason), CFG) == 0.0
 
@@ -193,7 +194,7 @@ def test_miner_failures_are_zero(reason: str | None) -> None:
 def test_impossible_measurements_count_as_failure(fields: dict[str, float | None]) -> None:
     good = measure(rate=440.0)
     assert request_credit(good, CFG) == pytest.approx(1.0)
-    values = {
+    values: dict[str, Any] = {
         "uid": 1, "hotkey": "hk", "in_flight": 0, "prompt_tokens": 100, "max_tokens": 256, "ttft_s": 0.3,
         "latency_s": good.latency_s, "completion_tokens": 256, "ok": True,
     }

@@ -394,7 +394,7 @@ async def test_auth(make_miner, make_gateway):
         (body(n=2), "n"),
         (body(temperature=2.5), "temperature"),
         (body(top_p=-0.1), "top_p"),
-        (body(stream="yes"), "stream"),
+        (body(stream="yes"), "stream"),  # type: ignore[arg-type]  # the wrong type is the test
         (body(stream=False, stream_options={"include_usage": True}), "stream_options"),
         (body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
         (body(stop=[1, 2]), "stop"),

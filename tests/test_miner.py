@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +259,7 @@ class BreaksMidStream:
         self.exc = exc
         self.active = 0
 
-    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         self.active += 1
         try:
             yield b'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'

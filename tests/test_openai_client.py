@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import openai
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from tests.conftest import API_KEY
 from tests.fakes import MODEL, Script
 
-MESSAGES = [{"role": "user", "content": "hello"}]
+MESSAGES: Any = [{"role": "user", "content": "hello"}]  # the client's TypedDicts, written as a user would
 
 
 def base_url(h) -> str:

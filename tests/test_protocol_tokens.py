@@ -33,7 +33,11 @@ async def test_gateway_and_simulated_card_use_the_same_count(monkeypatch) -> Non
     body = {"model": "m", "messages": [{"role": "system", "content": "x" * 123}, {"role": "user", "content": "hi"}]}
     req = parse_chat_request(body, SchemaLimits(models=("m",)))
     seen: list[int] = []
-    monkeypatch.setattr(sim, "estimate_prompt_tokens", lambda msgs: seen.append(estimate_prompt_tokens(msgs)) or 0)
+    def spy(messages: object) -> int:
+        seen.append(estimate_prompt_tokens(messages))
+        return 0
+
+    monkeypatch.setattr(sim, "estimate_prompt_tokens", spy)
     rt = SimulatedRuntime(sim.CardProfile(time_scale=1000.0, jitter=0.0), rng=random.Random(0))
 
     gen = rt.stream({**req.upstream_payload(), "stream": True})

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.router import Candidate, MinerState, Router
+from gateway.router import Candidate, Lease, MinerState, Router
 
 # chi-square quantiles at 1 - 1e-4, by degrees of freedom
 CHI2_9999 = {1: 15.137, 2: 18.421, 3: 21.108, 4: 23.513}
@@ -59,11 +59,11 @@ def test_fewest_in_flight_wins_outright():
     r = router(3, scores=[100.0, 0.01, 0.01])
     held = r.acquire_uid(0)
     assert held is not None
-    picks = Counter(r.pick().uid for _ in range(2000))  # type: ignore[union-attr]
+    picks = Counter(r.pick().uid for _ in range(2000))
     assert picks[0] == 0 and picks[1] > 0 and picks[2] > 0
     # and with loads equal again the high score dominates
     r.release(held)
-    picks = Counter(r.pick().uid for _ in range(2000))  # type: ignore[union-attr]
+    picks = Counter(r.pick().uid for _ in range(2000))
     assert picks[0] > 1900
 
 
@@ -82,7 +82,7 @@ def test_weighted_when_scores_differ():
 def test_weighted_also_with_exclusions():
     r = router(3, scores=[1.0, 1.0, 3.0], seed=8)
     n = 8000
-    counts = Counter(r.pick(exclude={0}).uid for _ in range(n))  # type: ignore[union-attr]
+    counts = Counter(r.pick(exclude={0}).uid for _ in range(n))
     assert counts[0] == 0
     assert chi2(counts, {1: 0.25, 2: 0.75}) < CHI2_9999[1]
 
@@ -112,8 +112,8 @@ def test_zero_score_only_when_nothing_else_is_left():
     r.release(lease)
     held = r.acquire_uid(0)  # the scored miner is busier now, yet a zero score stays last: a dead card
     assert held is not None  # must not take organic traffic just because it is idle
-    assert all(r.pick().uid == 0 for _ in range(200))  # type: ignore[union-attr]
-    assert r.pick(exclude={0}).uid == 1  # type: ignore[union-attr]  # nothing scored left: it is reachable
+    assert all(r.pick().uid == 0 for _ in range(200))
+    assert r.pick(exclude={0}).uid == 1  # nothing scored left: it is reachable
     assert r.pick(exclude={0, 1}) is None
 
 
@@ -164,7 +164,7 @@ def test_slots_normalize_load():
     assert all(lease is not None for lease in leases)
     assert {m.uid: m.in_flight for m in r.miners()} == {0: 4, 1: 1}
     for lease in leases:
-        r.release(lease)  # type: ignore[arg-type]
+        r.release(lease)
     assert r.total_in_flight() == 0
 
 
@@ -173,15 +173,15 @@ def test_concurrent_burst_spreads_by_load():
     leases = [r.acquire() for _ in range(12)]
     assert sorted(m.in_flight for m in r.miners()) == [3, 3, 3, 3]
     for lease in leases:
-        r.release(lease)  # type: ignore[arg-type]
+        r.release(lease)
 
 
 def test_sync_with_hotkey_change_resets_state():
     r = router(2, scores=[0.9, 0.4])
     old = r.acquire_uid(0)
     assert old is not None
-    r.release(r.acquire_uid(0), served=True)  # type: ignore[arg-type]
-    assert r.get(0).served == 1 and r.get(0).in_flight == 1  # type: ignore[union-attr]
+    r.release(r.acquire_uid(0), served=True)
+    assert r.get(0).served == 1 and r.get(0).in_flight == 1
     r.sync([Candidate(0, "new-hotkey", "127.0.0.1:9000"), *cands(2)[1:]])
     fresh = r.get(0)
     assert fresh is not None and fresh.hotkey == "new-hotkey"
@@ -199,9 +199,9 @@ def test_sync_with_hotkey_change_resets_state():
 def test_scores_are_keyed_by_hotkey():
     r = router(2)
     r.set_scores({"hk0": 0.9, "someone-else": 5.0})
-    assert r.get(0).score == 0.9 and r.get(1).score is None  # type: ignore[union-attr]
+    assert r.get(0).score == 0.9 and r.get(1).score is None
     r.set_scores({"hk0": float("nan"), "hk1": -3.0})
-    assert r.get(0).score == 0.0 and r.get(1).score == 0.0  # type: ignore[union-attr]
+    assert r.get(0).score == 0.0 and r.get(1).score == 0.0
 
 
 def test_release_is_idempotent():
@@ -221,8 +221,8 @@ def test_acquire_uid():
     assert lease is not None and lease.miner.uid == 2 and lease.in_flight_at_dispatch == 0
     second = r.acquire_uid(2)
     assert second is not None and second.in_flight_at_dispatch == 1
-    assert r.get(2).in_flight == 2  # type: ignore[union-attr]
-    assert all(r.pick().uid != 2 for _ in range(500))  # type: ignore[union-attr]
+    assert r.get(2).in_flight == 2
+    assert all(r.pick().uid != 2 for _ in range(500))
     assert r.acquire_uid(99) is None
     r.release(lease)
     r.release(second)
@@ -233,7 +233,7 @@ def test_acquire_uid():
 def test_in_flight_never_negative_under_random_interleaving(seed: int):
     rng = random.Random(seed)
     r = router(4, scores=[rng.random() for _ in range(4)], seed=seed, slots=2)
-    held = []
+    held: list[Lease] = []
     for _ in range(3000):
         if held and rng.random() < 0.5:
             r.release(held.pop(rng.randrange(len(held))))
@@ -244,7 +244,8 @@ def test_in_flight_never_negative_under_random_interleaving(seed: int):
         assert all(m.in_flight >= 0 for m in r.miners())
         assert r.total_in_flight() == len(held)
         loads = [m.load for m in r.miners()]
-        assert r.pick().load == min(loads)  # type: ignore[union-attr]
+        picked = r.pick()
+        assert picked is not None and picked.load == min(loads)
 
 
 def test_fenwick_buckets_stay_exact_under_long_churn():
@@ -319,7 +320,7 @@ def test_forced_picks_are_not_repaid_by_starvation():
         assert lease is not None and lease.miner.uid == 0
         r.release(lease)
     for lease in held:
-        r.release(lease)  # type: ignore[arg-type]
+        r.release(lease)
     go = sequential(r)
     first = [go() for _ in range(30)]
     assert 0 in first[:15], first
@@ -334,9 +335,9 @@ def test_learned_slots_make_least_in_flight_capacity_aware_and_survive_sync():
     assert big is not None
     r.learn_slots(big, 4)
     held = [r.acquire_uid(0), r.acquire_uid(0)]  # big: 2 of 4 slots busy (load 0.5) vs small idle (0.0)
-    assert r.pick().uid == 1  # type: ignore[union-attr]
+    assert r.pick().uid == 1
     held.append(r.acquire_uid(1))  # small: 1 of 1 (load 1.0) -> big (0.5) is now the less loaded
-    assert r.pick().uid == 0  # type: ignore[union-attr]
+    assert r.pick().uid == 0
     r.sync(cands_)  # a metagraph sync (Candidate.slots defaults to 1) keeps what was learned
     assert r.get(0) is big and big.slots == 4 and big.in_flight == 2
     r.learn_slots(big, 10**6)
@@ -344,5 +345,5 @@ def test_learned_slots_make_least_in_flight_capacity_aware_and_survive_sync():
     r.learn_slots(big, 0)
     assert big.slots == 1
     for lease in held:
-        r.release(lease)  # type: ignore[arg-type]
+        r.release(lease)
     assert r.total_in_flight() == 0

@@ -27,7 +27,7 @@ def ok(hotkey: str, uid: int, ttft: float, probe: bool = False) -> Measurement:
                        latency_s=ttft + 63 / 440.0, completion_tokens=64, ok=True, probe=probe)
 
 
-def failed(hotkey: str, uid: int, reason: str) -> Measurement:
+def failed(hotkey: str, uid: int, reason: FailureReason) -> Measurement:
     return Measurement(uid=uid, hotkey=hotkey, in_flight=0, prompt_tokens=0, max_tokens=64, ttft_s=None,
                        latency_s=0.05, completion_tokens=0, ok=False, failure=reason)
 

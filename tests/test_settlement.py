@@ -22,7 +22,7 @@ def ok(hotkey: str, ttft: float, uid: int = 1, probe: bool = False) -> Measureme
                        latency_s=ttft + 63 / 440.0, completion_tokens=64, ok=True, probe=probe)
 
 
-def failed(hotkey: str, reason: str, uid: int = 1) -> Measurement:
+def failed(hotkey: str, reason: FailureReason, uid: int = 1) -> Measurement:
     return Measurement(uid=uid, hotkey=hotkey, in_flight=0, prompt_tokens=0, max_tokens=64, ttft_s=None,
                        latency_s=0.05, completion_tokens=0, ok=False, failure=reason)
 
@@ -50,7 +50,7 @@ def test_round_score_is_mean_credit_of_measured_requests() -> None:
 def test_asked_but_nothing_completed_is_zero_and_unasked_is_absent() -> None:
     acc = RoundAccumulator(CFG)
     acc.add(failed("busy-only", FailureReason.BUSY))
-    acc.add(failed("down", "connect"))
+    acc.add(failed("down", FailureReason.CONNECT))
     assert acc.scores() == {"busy-only": 0.0, "down": 0.0}
     assert "never-asked" not in acc.scores()
 

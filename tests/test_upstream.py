@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from typing import Any
 
 from bittensor.sp_core import Keypair
 
@@ -14,11 +15,12 @@ from gateway.router import Candidate, Router
 from gateway.upstream import Upstream, UpstreamTimeouts
 from scoring.measurement import MeasurementQueue
 
-PAYLOAD = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
+PAYLOAD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
 
 
 def _sse(tokens: int) -> bytes:
-    chunks = [{"choices": [{"delta": {"content": f"t{i} "}, "finish_reason": None}]} for i in range(tokens)]
+    chunks: list[dict[str, Any]] = [{"choices": [{"delta": {"content": f"t{i} "}, "finish_reason": None}]}
+                                    for i in range(tokens)]
     chunks.append({"choices": [{"delta": {}, "finish_reason": "stop"}]})
     return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 

@@ -76,7 +76,7 @@ class LocalChain(SubtensorChain):
         self._plan_client: bt.Client | None = None
 
     @classmethod
-    def open(  # type: ignore[override]
+    def open(
         cls,
         state_dir: str | os.PathLike[str],
         netuid: int,

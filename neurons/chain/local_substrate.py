@@ -840,10 +840,10 @@ class LocalSubstrate:
             return [_event("TimelockedWeightsCommitted", {"netuid": netuid, "hotkey": signer,
                                                           "reveal_round": int(p["reveal_round"])})]
         if function in {"serve_axon", "serve_axon_tls"}:
-            uid = s.uid_of(signer)
-            if uid is None:
+            server_uid = s.uid_of(signer)
+            if server_uid is None:
                 raise _Refused("HotKeyNotRegisteredInNetwork")
-            n = s.neurons[uid]
+            n = s.neurons[server_uid]
             n.ip, n.port, n.ip_type = int(p["ip"]), int(p["port"]), int(p.get("ip_type", 4))
             return [_event("AxonServed", {"netuid": netuid, "hotkey": signer})]
         raise _Refused("CallFiltered", f"the local chain does not implement {module}.{function}")

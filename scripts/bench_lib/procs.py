@@ -95,13 +95,14 @@ class Child:
         return self.proc.pid
 
     def start(self) -> Child:
-        stderr = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
         try:
-            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-                                         env=self.env, cwd=self.cwd, start_new_session=True)
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
+                                         stderr=log if log is not None else subprocess.DEVNULL,
+                                         stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd, start_new_session=True)
         finally:
-            if self.log_path:
-                stderr.close()
+            if log is not None:
+                log.close()
         _LIVE.add(self.proc)
         threading.Thread(target=self._read_stdout, daemon=True).start()
         return self

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import math
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from neurons.miner.runtimes.sim import CardProfile, SimulatedRuntime
@@ -91,7 +91,7 @@ class CardRuntime:
             return 0.0
         return min(self.util_cap_s, self.util_ttft_s * self.utilisation())
 
-    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         extra = self.extra_ttft_s()
@@ -134,7 +134,7 @@ class MultiCardRuntime:
         for c in self.cards:
             c.set_profile(profile)
 
-    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         card = min(self.cards, key=lambda c: c.active)
         async with contextlib.aclosing(card.stream(payload)) as frames:
             async for chunk in frames:

@@ -103,9 +103,10 @@ def _targets(sc: Scenario, res: RunResult, summ: Summary) -> list[Target]:
     out: list[Target] = []
     S = res.series
     if len(sc.identical) >= 2:
-        d = summ.final_settled_diff or 0.0
-        out.append(Target("identical cards within 0.03 settled credit", d <= CREDIT_TOLERANCE,
-                          f"settled {', '.join(f'{x}={S[x].settled[-1]:.3f}' for x in sc.identical)}, diff {d:.3f}"))
+        diff = summ.final_settled_diff or 0.0
+        out.append(Target("identical cards within 0.03 settled credit", diff <= CREDIT_TOLERANCE,
+                          f"settled {', '.join(f'{x}={S[x].settled[-1]:.3f}' for x in sc.identical)}, "
+                          f"diff {diff:.3f}"))
         k = len(sc.identical)
         n = sum(sum(S[x].served) for x in sc.identical)
         worst = max(abs(summ.shares[x] - 1 / k) * k for x in sc.identical)

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Set as AbstractSet
 
 import aiohttp
 
@@ -27,7 +28,7 @@ MAX_LEARNED_SLOTS = 64  # /health is advisory: a miner claiming 10**6 slots must
 class DeterministicRouter(Router):
     """Least in flight with a deterministic tie-break on score: the design the project replaced."""
 
-    def pick(self, exclude: frozenset[int] | set[int] = frozenset()) -> MinerState | None:
+    def pick(self, exclude: AbstractSet[int] = frozenset()) -> MinerState | None:
         best: MinerState | None = None
         best_key: tuple[int, float, int] | None = None
         for m in self.miners():
@@ -46,7 +47,7 @@ class SmoothRouter(Router):
         super().__init__(rng=rng, prior=prior)
         self._current: dict[tuple[int, str], float] = {}
 
-    def pick(self, exclude: frozenset[int] | set[int] = frozenset()) -> MinerState | None:
+    def pick(self, exclude: AbstractSet[int] = frozenset()) -> MinerState | None:
         groups: dict[float, list[MinerState]] = {}
         for m in self.miners():
             if m.uid not in exclude:

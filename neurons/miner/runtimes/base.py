@@ -7,7 +7,7 @@ and any test double plug in without inheriting from anything.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 
@@ -36,4 +36,4 @@ class Runtime(Protocol):
     @property
     def active(self) -> int: ...
 
-    def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]: ...
+    def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]: ...

@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +82,7 @@ class ProxyRuntime:
     def active(self) -> int:
         return self._active
 
-    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         body = dict(payload)
         if self._model:
             body["model"] = self._model

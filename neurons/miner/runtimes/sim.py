@@ -33,7 +33,7 @@ import math
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,7 +178,7 @@ class SimulatedRuntime:
         w = self._rng.choice(_VOCAB)
         return w.capitalize() if first else " " + w
 
-    async def stream(self, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
         p = self.profile
         rng = self._rng
@@ -200,7 +200,8 @@ class SimulatedRuntime:
         nan_usage = rng.random() < p.nan_usage
         options = payload.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        model = payload.get("model") if isinstance(payload.get("model"), str) else f"sim/{p.name}"
+        named = payload.get("model")
+        model = named if isinstance(named, str) else f"sim/{p.name}"
         frames = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()), model)
 
         others = self._active
