@@ -263,6 +263,13 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
     return events
 
 
+async def error_of(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    assert resp.content_type == "application/json"
+    err = (await resp.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
 def contents(events: list[Any]) -> list[str]:
     out = []
     for e in events:

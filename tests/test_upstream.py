@@ -1,4 +1,4 @@
-"""The miner side of a dispatch over real loopback sockets: what a miner's bytes on the wire do to the stream."""
+"""The miner side of a dispatch (gateway.upstream): what each miner behaviour and its wire bytes are recorded as."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import json
 import random
 from typing import Any
 
+import pytest
 from bittensor.sp_core import Keypair
 
 from gateway.http.client import MinerClient
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
 from gateway.upstream import Upstream, UpstreamTimeouts
-from scoring.measurement import MeasurementQueue
+from scoring.measurement import FailureReason, MeasurementQueue
+from tests.fakes import MODEL, Script, body, contents, eventually, read_sse
 
 PAYLOAD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8}
 
@@ -111,3 +113,219 @@ async def test_a_response_that_is_not_http_is_the_miners_garbage() -> None:
     async with RawMiner(lambda _: b"SSH-2.0-OpenSSH_9.6\r\n\r\n") as miner:
         [m] = await _probe_n(miner.endpoint, 1)
     assert not m.ok and m.failure == "garbage"
+
+
+async def test_ttft_clock_starts_at_dispatch_not_headers(make_miner, make_gateway):
+    """A miner slow to send headers cannot hide that delay from TTFT."""
+    m = await make_miner(Script("ok", tokens=20, headers_delay=0.3, token_delay=0.01))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=20)) as r:
+        events = await read_sse(r)
+    assert len(contents(events)) == 20
+    [meas] = h.measurements()
+    assert meas.ok and meas.completion_tokens == 20
+    assert meas.ttft_s is not None and meas.ttft_s >= 0.3
+    assert meas.latency_s >= meas.ttft_s + 19 * 0.01 * 0.9
+    rate = meas.decode_rate(min_tokens=16)
+    assert rate is not None and rate <= 19 / (19 * 0.01 * 0.9)
+
+
+async def test_concurrent_requests_get_distinct_nonces(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=2, token_delay=0.01), slots=32)
+    h = await make_gateway([m])
+
+    async def one() -> int:
+        async with h.chat(body(stream=False, max_tokens=2)) as r:
+            await r.read()
+            return r.status
+
+    statuses = await asyncio.gather(*(one() for _ in range(24)))
+    assert statuses == [200] * 24
+    assert m.auth_failures == 0 and m.requests == 24
+
+
+@pytest.mark.parametrize(
+    ("script", "reason"),
+    [
+        (Script("garbage"), FailureReason.GARBAGE),
+        (Script("nan"), FailureReason.GARBAGE),
+        (Script("invalid_utf8"), FailureReason.GARBAGE),
+        (Script("long_line"), FailureReason.GARBAGE),
+        (Script("wrong_shape"), FailureReason.GARBAGE),
+        (Script("overlong", tokens=12), FailureReason.OVERLONG),
+        (Script("hang_headers"), FailureReason.TIMEOUT),
+        (Script("hang_first"), FailureReason.TIMEOUT),
+        (Script("stall_after", after=2), FailureReason.TIMEOUT),
+        (Script("drop_after", after=2), FailureReason.DROPPED),
+        (Script("empty"), FailureReason.EMPTY),
+        (Script("http500"), FailureReason.HTTP_STATUS),
+        (Script("busy"), FailureReason.BUSY),
+        (Script("no_done", tokens=3), None),
+        (Script("ok", tokens=3), None),
+    ],
+    ids=lambda v: v.behavior if isinstance(v, Script) else str(v),
+)
+async def test_probe_records_failure_reason(make_miner, make_gateway, script, reason):
+    m = await make_miner(script)
+    h = await make_gateway([m])
+    lease = h.router.acquire_uid(1)
+    assert lease is not None
+    try:
+        meas = await asyncio.wait_for(h.upstream.probe(lease, body(max_tokens=8)), timeout=15)
+    finally:
+        h.router.release(lease)
+    assert meas.failure == reason and meas.ok is (reason is None) and meas.probe
+    assert h.measurements() == [meas]
+    if reason == FailureReason.OVERLONG:
+        assert meas.completion_tokens == 8
+    assert await eventually(lambda: m.active == 0)
+
+
+async def test_slow_card_measures_slower_than_fast_card(make_sim_miner, make_gateway):
+    fast = await make_sim_miner("rtx5090:time_scale=4,jitter=0", slots=1, tag="fast")
+    slow = await make_sim_miner("rtx5090-slow:time_scale=4,jitter=0", slots=1, tag="slow")
+    h = await make_gateway([fast, slow])
+    for _ in range(3):
+        for uid in (1, 2):
+            lease = h.router.acquire_uid(uid)
+            assert lease is not None
+            try:
+                m = await h.upstream.probe(lease, body(max_tokens=16))
+            finally:
+                h.router.release(lease)
+            assert m.ok and m.completion_tokens >= 8
+    ttft = {uid: h.upstream.stats[uid].ttft_p50() for uid in (1, 2)}
+    # fast: 0.45 s / 4 = 0.11 s, slow: 0.9 s / 4 = 0.23 s; TTFT is never below the card's own delay
+    assert ttft[1] >= 0.10 and ttft[2] >= 0.21
+    assert ttft[2] > ttft[1] + 0.05
+
+
+@pytest.mark.parametrize(
+    ("knobs", "reason"),
+    [("drop_after_tokens=3", FailureReason.DROPPED), ("garbage=1", FailureReason.GARBAGE),
+     ("overlong=1", FailureReason.OVERLONG),
+     ("nan_usage=1", FailureReason.GARBAGE), ("fail_rate=1", FailureReason.HTTP_STATUS)],
+)
+async def test_real_miner_fault_knobs_are_recorded(make_sim_miner, make_gateway, knobs, reason):
+    sim = await make_sim_miner(f"rtx5090:time_scale=20,stop_rate=0,{knobs}", slots=1)
+    h = await make_gateway([sim])
+    lease = h.router.acquire_uid(1)
+    assert lease is not None
+    try:
+        m = await h.upstream.probe(lease, body(max_tokens=16))
+    finally:
+        h.router.release(lease)
+    assert m.failure == reason
+    assert await eventually(lambda: sim.server.busy == 0)
+
+
+async def test_probe_and_organic_bodies_look_alike(make_miner, make_gateway):
+    """A miner cannot tell a probe from organic traffic by the request body's shape."""
+    m = await make_miner(Script("ok", tokens=2))
+    h = await make_gateway([m])
+    organic = body(stream=False, max_tokens=2, temperature=0.5)
+    async with h.chat(organic) as r:
+        assert r.status == 200
+    lease = h.router.acquire_uid(1)
+    assert lease is not None
+    try:  # a probe payload as neurons.validator.prompts builds it: different key order, "stream" already set
+        await h.upstream.probe(lease, {"stream": True, "temperature": 0.5, "max_tokens": 2, "model": MODEL,
+                                       "messages": organic["messages"]})
+    finally:
+        h.router.release(lease)
+    assert [list(b) for b in m.bodies] == [list(m.bodies[0])] * 2
+    assert m.bodies[0] == m.bodies[1]
+    assert [x.probe for x in h.measurements()] == [False, True]
+
+
+async def test_decode_concurrency_counts_requests_that_join_mid_stream(make_sim_miner, make_gateway):
+    """A request that a second one joins mid-decode ran at 1 < concurrency < 2, and an honest card
+    earns full decode credit for it; the dispatch-time count (1) would have called it slow."""
+    from scoring.credit import CreditConfig, decode_credit
+
+    sim = await make_sim_miner("rtx5090:time_scale=4,jitter=0,stop_rate=0", slots=2)
+    h = await make_gateway([sim], timeouts=UpstreamTimeouts(first_token=10.0, stall=5.0, total=30.0))
+    lease_a = h.router.acquire_uid(1)
+    assert lease_a is not None
+    joined: asyncio.Task | None = None
+
+    async def second() -> None:
+        lease_b = h.router.acquire_uid(1)
+        assert lease_b is not None
+        try:
+            await h.upstream.probe(lease_b, body(max_tokens=300))
+        finally:
+            h.router.release(lease_b)
+
+    try:
+        stream = await h.upstream.open(lease_a, body(max_tokens=900))
+        async with stream:
+            while batch := await stream.next_batch():
+                if joined is None and stream.tokens >= 100 and any(c.content for c in batch):
+                    joined = asyncio.create_task(second())
+        await joined
+    finally:
+        h.router.release(lease_a)
+    a = stream.measurement
+    assert a is not None and a.ok and a.in_flight == 0
+    assert a.concurrency is not None and 1.1 < a.concurrency < 1.95
+    cfg = CreditConfig()
+    rate = a.decode_rate() or 0.0
+    # the sim runs 4x fast: scale the rate back to real seconds before judging it
+    assert decode_credit(rate / 4, a.decode_concurrency, cfg) == pytest.approx(1.0)
+    assert decode_credit(rate / 4, a.in_flight + 1, cfg) < 1.0
+
+
+async def test_next_batch_returns_each_read_then_ends_without_waiting(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=6))
+    h = await make_gateway([m])
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    lease = h.router.acquire()
+    assert lease is not None
+    try:
+        async with await h.upstream.open(lease, payload) as stream:
+            chunks = []
+            while batch := await stream.next_batch():
+                assert batch  # a read without chunks is not returned as an empty batch
+                chunks += batch
+            assert stream.ok and stream.tokens == 6
+            assert await asyncio.wait_for(stream.next_batch(), 0.5) == []  # ended: never waits again
+    finally:
+        h.router.release(lease)
+    assert [c.content for c in chunks if c.content] == [m.token(i) for i in range(6)]
+    assert [x.ok for x in h.measurements()] == [True]
+
+
+async def test_deadline_moves_with_events_and_total_still_caps(make_miner, make_gateway):
+    """The one timer per stream is re-armed as tokens arrive (a slow-but-steady stream lives on), yet
+    ``total`` ends a stream that never stalls."""
+    steady = await make_miner(Script("ok", tokens=12, token_delay=0.1))  # ~1.1 s, gaps far below the stall
+    h = await make_gateway([steady], timeouts=UpstreamTimeouts(connect=2.0, first_token=0.6, stall=0.6, total=15.0))
+    async with h.chat(body(max_tokens=12)) as r:
+        events = await asyncio.wait_for(read_sse(r), timeout=10)
+    assert contents(events) == [steady.token(i) for i in range(12)] and events[-1] == "[DONE]"
+    assert [x.ok for x in h.measurements()] == [True]
+
+    capped = await make_gateway([steady], timeouts=UpstreamTimeouts(connect=2.0, first_token=0.6, stall=0.6,
+                                                                      total=0.5))
+    async with capped.chat(body(max_tokens=12)) as r:
+        events = await asyncio.wait_for(read_sse(r), timeout=10)
+    assert 1 <= len(contents(events)) < 12
+    assert events[-2]["error"]["code"] == "upstream_timeout" and events[-1] == "[DONE]"
+    assert [x.failure for x in capped.measurements()] == [FailureReason.TIMEOUT]
+    assert await eventually(lambda: steady.active == 0)
+
+
+async def test_slot_count_advertised_by_the_miner_reaches_the_router(make_sim_miner, make_gateway):
+    sim = await make_sim_miner("rtx5090:time_scale=20", slots=3)
+    h = await make_gateway([sim])
+    h.upstream.on_slots = h.router.learn_slots
+    h.router.learn_slots(h.router.get(1), 1)  # as the validator starts: the metagraph carries no slot count
+    assert h.router.get(1).slots == 1
+    lease = h.router.acquire_uid(1)
+    try:
+        m = await h.upstream.probe(lease, body(max_tokens=8))
+    finally:
+        h.router.release(lease)
+    assert m.ok
+    assert h.router.get(1).slots == 3

@@ -1,0 +1,173 @@
+"""The front door's answers (gateway.app): status codes, OpenAI error bodies, limits, over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from gateway.upstream import UpstreamTimeouts
+from scoring.measurement import FailureReason
+from tests.conftest import API_KEY
+from tests.fakes import MODEL, Script, body, contents, error_of, eventually
+
+
+async def test_auth(make_miner, make_gateway):
+    m = await make_miner()
+    h = await make_gateway([m])
+    url = h.base_url + "/v1/chat/completions"
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}, {"Authorization": "Basic x"}):
+        async with h.client.post(url, json=body(), headers=headers) as r:
+            assert r.status == 401
+            assert (await error_of(r))["code"] == "invalid_api_key"
+    # refused from the head, before the body is read: too big a body still gets 401, not 413
+    big = json.dumps(body(messages=[{"role": "user", "content": "x" * (2 << 20)}])).encode()
+    async with h.client.post(url, data=big, headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 401 and (await error_of(r))["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/v1/status"):
+        async with h.client.get(h.base_url + path) as r:
+            assert r.status == 401
+    async with h.client.get(h.base_url + "/health") as r:
+        assert r.status == 200 and (await r.json())["status"] == "ok"
+    async with h.client.get(h.base_url + "/v1/models", headers=h.auth) as r:
+        assert r.status == 200
+        assert [d["id"] for d in (await r.json())["data"]] == [MODEL]
+    assert m.requests == 0 and h.measurements() == []
+    async with h.client.get(h.base_url + "/v1/status", headers=h.auth) as r:
+        assert (await r.json())["outcomes"] == {"401": 7}  # 5 refused from the head, 2 by their handler
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content[0]"),
+        (body(max_tokens=0), "max_tokens"),
+        (body(max_tokens=True), "max_tokens"),
+        (body(max_completion_tokens=-3), "max_completion_tokens"),
+        (body(n=2), "n"),
+        (body(temperature=2.5), "temperature"),
+        (body(top_p=-0.1), "top_p"),
+        (body(stream="yes"), "stream"),  # type: ignore[arg-type]  # the wrong type is the test
+        (body(stream=False, stream_options={"include_usage": True}), "stream_options"),
+        (body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
+        (body(stop=[1, 2]), "stop"),
+        (body(tools=[{"type": "function"}]), "tools"),
+    ],
+)
+async def test_400_names_the_field(make_miner, make_gateway, payload, param):
+    m = await make_miner()
+    h = await make_gateway([m])
+    async with h.chat(payload) as r:
+        assert r.status == 400
+        err = await error_of(r)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert m.requests == 0
+
+
+async def test_400_malformed_json_404_unknown_model_413_too_big(make_miner, make_gateway):
+    m = await make_miner()
+    h = await make_gateway([m], max_body_bytes=4096)
+    url = h.base_url + "/v1/chat/completions"
+    async with h.client.post(url, data=b"{not json", headers=h.auth) as r:
+        assert r.status == 400 and (await error_of(r))["code"] == "invalid_json"
+    async with h.client.post(url, data=b"[1, 2]", headers=h.auth) as r:
+        assert r.status == 400
+    async with h.chat(body(model="gpt-9")) as r:
+        assert r.status == 404
+        err = await error_of(r)
+        assert err["code"] == "model_not_found" and err["param"] == "model"
+    big = body(messages=[{"role": "user", "content": "x" * 5000}])
+    async with h.chat(big) as r:
+        assert r.status == 413
+        await error_of(r)
+
+    async def chunked():  # no Content-Length: the cap still holds while reading
+        for _ in range(10):
+            yield b" " * 1000
+
+    async with h.client.post(url, data=chunked(), headers=h.auth) as r:
+        assert r.status == 413
+    async with h.client.get(h.base_url + "/v1/nothing", headers=h.auth) as r:
+        assert r.status == 404 and (await error_of(r))["code"] == "not_found"
+    assert m.requests == 0
+    # the 413s came from the server before any handler ran; they are counted all the same
+    async with h.client.get(h.base_url + "/v1/status", headers=h.auth) as r:
+        outcomes = (await r.json())["outcomes"]
+    assert outcomes == {"400": 2, "404": 2, "413": 2}
+
+
+async def test_max_tokens_capped_by_config(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=3))
+    h = await make_gateway([m], max_tokens_cap=50, default_max_tokens=20)
+    async with h.chat(body(stream=False, max_tokens=10_000)) as r:
+        assert r.status == 200
+    async with h.chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}) as r:
+        assert r.status == 200
+    assert [b["max_tokens"] for b in m.bodies] == [50, 20]
+
+
+async def test_429_when_nothing_eligible_or_all_busy(make_miner, make_gateway):
+    h = await make_gateway([])
+    async with h.chat(body()) as r:
+        assert r.status == 429
+        assert (await error_of(r))["code"] == "no_capacity"
+        assert "Retry-After" in r.headers
+    busy = [await make_miner(Script("busy"), tag=f"b{i}-") for i in range(2)]
+    h2 = await make_gateway(busy)
+    async with h2.chat(body()) as r:
+        assert r.status == 429
+    assert [x.failure for x in h2.measurements()] == [FailureReason.BUSY, FailureReason.BUSY]
+
+
+async def test_502_and_504_before_first_byte(make_miner, make_gateway, dead_miner):
+    h = await make_gateway([dead_miner])
+    async with h.chat(body()) as r:
+        assert r.status == 502
+    hang = await make_miner(Script("hang_headers"))
+    h2 = await make_gateway([hang], timeouts=UpstreamTimeouts(first_token=0.3, stall=0.3, total=5.0))
+    async with h2.chat(body(stream=False)) as r:
+        assert r.status == 504
+        assert (await error_of(r))["type"] == "timeout_error"
+    assert [x.failure for x in h2.measurements()] == [FailureReason.TIMEOUT]
+    assert await eventually(lambda: hang.active == 0)
+
+
+async def test_http10_client_gets_a_whole_stream_without_chunk_framing(make_miner, make_gateway):
+    """HTTP/1.0 has no chunked encoding: the stream is close-delimited, its frames written bare."""
+    m = await make_miner(Script("ok", tokens=6, token_delay=0.01))
+    h = await make_gateway([m])
+    raw = json.dumps(body(max_tokens=6)).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", h.gateway.port)
+    try:
+        writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nAuthorization: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (h.auth["Authorization"].encode(), len(raw), raw))
+        answer = await asyncio.wait_for(reader.read(), 10.0)  # HTTP/1.0: the body ends when the gateway closes
+    finally:
+        writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith((b"HTTP/1.0 200", b"HTTP/1.1 200")) and b"chunked" not in head.lower()
+    events = [line[6:].decode() for line in payload.split(b"\n") if line.startswith(b"data: ")]
+    assert all(line.startswith(b"data: ") for line in payload.split(b"\n") if line)  # no chunk sizes between
+    parsed = [json.loads(e) if e != "[DONE]" else e for e in events]
+    assert contents(parsed) == [m.token(i) for i in range(6)] and parsed[-1] == "[DONE]"
+
+
+async def test_a_started_gateway_freezes_the_startup_heap_out_of_full_collections(make_miner, make_gateway):
+    import gc
+
+    gc.unfreeze()
+    m = await make_miner()
+    try:
+        await make_gateway([m], freeze_heap=False)
+        assert gc.get_freeze_count() == 0
+        await make_gateway([m], freeze_heap=True)
+        assert gc.get_freeze_count() > 1000  # the SDK, imports and everything else allocated so far
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,381 @@
+"""One request's life through the gateway (gateway.relay): streaming, retries before the first byte, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from gateway.upstream import UpstreamTimeouts
+from scoring.measurement import FailureReason
+from tests.fakes import MODEL, Script, body, contents, error_of, eventually, read_sse
+
+
+async def test_streaming_is_incremental(make_miner, make_gateway):
+    """The first token reaches the client while the miner is still holding the rest back."""
+    m = await make_miner(Script("gated", tokens=4))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=4)) as r:
+        assert r.status == 200
+        assert r.headers["X-Tensorgate-Miner-Uid"] == "1"
+        seen: list[str] = []
+
+        async def first_content() -> None:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    c = json.loads(line[6:])["choices"][0]["delta"].get("content")
+                    if c:
+                        seen.append(c)
+                        return
+
+        await asyncio.wait_for(first_content(), timeout=10)  # a buffering gateway would block here
+        assert seen == [m.token(0)]
+        assert m.finished == 0 and m.active == 1
+        m.gate.set()
+        rest = await read_sse(r)
+    assert contents(rest) == [m.token(i) for i in range(1, 4)]
+    assert rest[-1] == "[DONE]"
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and m.active == 0)
+
+
+async def test_non_streaming_is_assembled_with_usage_and_served_by(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=6))
+    h = await make_gateway([m])
+    async with h.chat(body(stream=False, max_tokens=6)) as r:
+        assert r.status == 200
+        data = await r.json()
+    assert data["object"] == "chat.completion"
+    assert data["choices"][0]["message"] == {"role": "assistant", "content": "".join(m.token(i) for i in range(6))}
+    assert data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 6
+    assert data["tensorgate"] == {"miner_uid": 1, "miner_hotkey": m.hotkey}
+    assert r.headers["X-Tensorgate-Miner-Uid"] == "1"
+    # the miner was always asked to stream, with usage, and got the capped max_tokens
+    assert m.bodies[0]["stream"] is True and m.bodies[0]["stream_options"] == {"include_usage": True}
+    assert m.bodies[0]["max_tokens"] == 6
+
+
+async def test_usage_chunk_is_opt_in(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=3))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=3)) as r:
+        plain = await read_sse(r)
+    async with h.chat(body(max_tokens=3, stream_options={"include_usage": True})) as r:
+        with_usage = await read_sse(r)
+    assert not any(isinstance(e, dict) and "usage" in e for e in plain)
+    usage = [e for e in with_usage if isinstance(e, dict) and "usage" in e]
+    assert len(usage) == 1 and usage[0]["choices"] == []
+    assert usage[0]["usage"]["completion_tokens"] == 3
+    assert with_usage[-1] == "[DONE]"
+    first = plain[0]
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+    assert first["tensorgate"]["miner_uid"] == 1
+
+
+async def test_retry_on_busy(make_miner, make_gateway):
+    busy = await make_miner(Script("busy"), tag="busy-")
+    ok = await make_miner(Script("ok", tokens=3), tag="ok-")
+    h = await make_gateway([busy, ok], scores={"busy-": 1.0, "ok-": 0.0})  # busy is always tried first
+    async with h.chat(body(max_tokens=3)) as r:
+        assert r.status == 200
+        assert r.headers["X-Tensorgate-Miner-Uid"] == str(h.uids["ok-"])
+        events = await read_sse(r)
+    assert contents(events) == [ok.token(i) for i in range(3)]
+    assert busy.requests == 1 and ok.requests == 1
+    fails = [(x.uid, x.failure) for x in h.measurements()]
+    assert fails == [(h.uids["busy-"], FailureReason.BUSY), (h.uids["ok-"], None)]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_retry_on_dead_miner(make_miner, make_gateway, dead_miner):
+    ok = await make_miner(Script("ok", tokens=3), tag="ok-")
+    h = await make_gateway([dead_miner, ok], scores={"dead": 1.0, "ok-": 0.0})
+    async with h.chat(body(stream=False, max_tokens=3)) as r:
+        assert r.status == 200
+        assert (await r.json())["tensorgate"]["miner_uid"] == h.uids["ok-"]
+    assert [x.failure for x in h.measurements()] == [FailureReason.CONNECT, None]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_retry_on_failure_after_prelude_but_before_content(make_miner, make_gateway):
+    """A role prelude is not a byte the client has seen: a miner dying after it is retried."""
+    hang = await make_miner(Script("hang_first"), tag="hang-")
+    ok = await make_miner(Script("ok", tokens=2), tag="ok-")
+    h = await make_gateway([hang, ok], scores={"hang-": 1.0, "ok-": 0.0})
+    async with h.chat(body(max_tokens=2)) as r:
+        assert r.status == 200
+        events = await read_sse(r)
+    assert contents(events) == [ok.token(0), ok.token(1)]
+    assert [x.failure for x in h.measurements()] == [FailureReason.TIMEOUT, None]
+
+
+async def test_no_retry_after_first_byte(make_miner, make_gateway):
+    drop = await make_miner(Script("drop_after", tokens=8, after=3), tag="drop-")
+    ok = await make_miner(Script("ok", tokens=8), tag="ok-")
+    h = await make_gateway([drop, ok], scores={"drop-": 1.0, "ok-": 0.0})
+    async with h.chat(body(max_tokens=8)) as r:
+        assert r.status == 200
+        events = await asyncio.wait_for(read_sse(r), timeout=10)
+    assert contents(events) == [drop.token(i) for i in range(3)]  # only that miner's tokens
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and events[-1] == "[DONE]" and events[-2] is errors[0]
+    assert errors[0]["error"]["type"] == "upstream_error"
+    assert ok.requests == 0
+    assert [x.failure for x in h.measurements()] == [FailureReason.DROPPED]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_non_streaming_failure_mid_answer_is_retried_on_another_miner(make_miner, make_gateway):
+    """A non-streaming client has seen no byte until the whole answer is in, so a miner that drops
+    mid-answer is retried; the answer holds only the second miner's tokens, never a splice."""
+    drop = await make_miner(Script("drop_after", tokens=8, after=2), tag="drop-")
+    ok = await make_miner(Script("ok", tokens=4), tag="ok-")
+    h = await make_gateway([drop, ok], scores={"drop-": 1.0, "ok-": 0.0})
+    async with h.chat(body(stream=False, max_tokens=4)) as r:
+        assert r.status == 200
+        doc = await r.json()
+    assert doc["choices"][0]["message"]["content"] == "".join(ok.token(i) for i in range(4))
+    assert doc["tensorgate"]["miner_uid"] == h.uids["ok-"]
+    assert [x.failure for x in h.measurements()] == [FailureReason.DROPPED, None]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_non_streaming_gives_502_when_every_miner_fails_mid_answer(make_miner, make_gateway):
+    drops = [await make_miner(Script("drop_after", tokens=8, after=2), tag=f"d{i}-") for i in range(2)]
+    h = await make_gateway(drops, max_retries=1)
+    async with h.chat(body(stream=False)) as r:
+        assert r.status == 502
+        await error_of(r)
+    assert [x.failure for x in h.measurements()] == [FailureReason.DROPPED, FailureReason.DROPPED]
+    assert h.router.total_in_flight() == 0
+
+
+async def test_stall_mid_stream_ends_with_error_event_not_a_hang(make_miner, make_gateway):
+    stall = await make_miner(Script("stall_after", tokens=8, after=2))
+    h = await make_gateway([stall])
+    async with h.chat(body(max_tokens=8)) as r:
+        events = await asyncio.wait_for(read_sse(r), timeout=10)
+    assert len(contents(events)) == 2
+    assert events[-2]["error"]["code"] == "upstream_timeout" and events[-1] == "[DONE]"
+    assert [x.failure for x in h.measurements()] == [FailureReason.TIMEOUT]
+    assert await eventually(lambda: stall.active == 0)  # the gateway hung up: the miner's slot is free
+
+
+async def test_retries_are_bounded(make_miner, make_gateway):
+    miners = [await make_miner(Script("http500"), tag=f"bad{i}-") for i in range(5)]
+    h = await make_gateway(miners, max_retries=2)
+    async with h.chat(body()) as r:
+        assert r.status == 502
+        await error_of(r)
+    assert sum(m.requests for m in miners) == 3
+    assert [x.failure for x in h.measurements()] == [FailureReason.HTTP_STATUS] * 3
+
+
+async def test_disconnect_mid_stream_frees_both_sides(make_miner, make_gateway):
+    m = await make_miner(Script("gated", tokens=4))
+    h = await make_gateway([m])
+    resp = await h.client.post(h.base_url + "/v1/chat/completions", json=body(max_tokens=4), headers=h.auth)
+    assert resp.status == 200
+    async for line in resp.content:
+        if b'"content":"m' in line:
+            break
+    assert h.router.total_in_flight() == 1 and m.active == 1
+    resp.close()  # drop the connection mid-stream
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and m.active == 0)
+    assert m.cancelled == 1 and m.finished == 0
+    assert await eventually(lambda: len(h.measurements()) == 1)
+    [meas] = h.measurements()
+    assert meas.failure == FailureReason.CLIENT_DISCONNECT and not meas.ok
+
+
+async def test_disconnect_before_first_byte_cancels_upstream(make_miner, make_gateway):
+    m = await make_miner(Script("hang_headers"))
+    h = await make_gateway([m], timeouts=UpstreamTimeouts(first_token=30.0, stall=30.0, total=60.0))
+    task = asyncio.create_task(h.client.post(h.base_url + "/v1/chat/completions", json=body(), headers=h.auth))
+    assert await eventually(lambda: m.active == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and m.active == 0)
+    assert await eventually(lambda: len(h.measurements()) == 1)
+    assert h.measurements()[0].failure == FailureReason.CLIENT_DISCONNECT
+
+
+async def test_overlong_stream_is_cut_at_max_tokens(make_miner, make_gateway):
+    m = await make_miner(Script("overlong", tokens=50))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=5)) as r:
+        events = await read_sse(r)
+    assert len(contents(events)) == 5
+    assert "error" in events[-2] and events[-1] == "[DONE]"
+    assert [x.failure for x in h.measurements()] == [FailureReason.OVERLONG]
+
+
+async def test_garbage_before_content_is_retried(make_miner, make_gateway):
+    bad = await make_miner(Script("nan"), tag="bad-")
+    ok = await make_miner(Script("ok", tokens=2), tag="ok-")
+    h = await make_gateway([bad, ok], scores={"bad-": 1.0, "ok-": 0.0})
+    async with h.chat(body(stream=False, max_tokens=2)) as r:
+        assert r.status == 200
+    assert [x.failure for x in h.measurements()] == [FailureReason.GARBAGE, None]
+
+
+async def test_burst_of_mixed_outcomes_balances_the_books(make_miner, make_gateway, dead_miner):
+    miners = [
+        await make_miner(Script("ok", tokens=4, token_delay=0.005), slots=3, tag="ok-"),
+        await make_miner(Script("ok", tokens=4), slots=1, tag="tight-"),  # often busy under the burst
+        await make_miner(Script("drop_after", tokens=4, after=1), slots=4, tag="drop-"),
+        await make_miner(Script("garbage"), slots=4, tag="junk-"),
+        await make_miner(Script("stall_after", tokens=4, after=1), slots=4, tag="stall-"),
+        await make_miner(Script("gated", tokens=4), slots=4, tag="gated-"),  # never opened: clients give up
+    ]
+    h = await make_gateway([*miners, dead_miner], seed=3,
+                           timeouts=UpstreamTimeouts(connect=2.0, first_token=0.6, stall=0.4, total=10.0))
+    rng = random.Random(11)
+    statuses: Counter[str] = Counter()
+
+    async def one(i: int) -> None:
+        stream = rng.random() < 0.6
+        give_up = rng.random() < 0.2
+        try:
+            async with asyncio.timeout(0.25 if give_up else 20):
+                async with h.chat(body(stream=stream, max_tokens=4)) as r:
+                    await r.read()
+                    statuses[str(r.status)] += 1
+        except TimeoutError:
+            statuses["gave_up"] += 1
+
+    await asyncio.gather(*(one(i) for i in range(40)))
+    assert sum(statuses.values()) == 40
+    assert await eventually(lambda: h.router.total_in_flight() == 0, within_s=10)
+    assert await eventually(lambda: all(m.active == 0 for m in miners), within_s=10)
+    assert await eventually(lambda: len(h.measurements()) == h.upstream.dispatched, within_s=10)
+    by_uid = Counter(x.uid for x in h.measurements())
+    for m in miners:  # every request a miner saw is exactly one measurement, and vice versa
+        assert by_uid[h.uids[m.tag]] == m.requests, m.tag
+    assert by_uid[h.uids["dead"]] == h.upstream.dispatched - sum(m.requests for m in miners)
+    assert sum(m.served for m in h.router.miners()) == sum(x.ok for x in h.measurements())
+    assert statuses["200"] >= 1 and statuses["200"] + statuses["gave_up"] >= sum(x.ok for x in h.measurements())
+    async with h.client.get(h.base_url + "/v1/status", headers=h.auth) as r:
+        status = await r.json()
+    assert status["in_flight"] == 0
+    per_uid = {s["uid"]: s for s in status["miners"]}
+    assert sum(s["requests"] for s in per_uid.values()) == h.upstream.dispatched
+    assert per_uid[h.uids["ok-"]]["ttft_p50_s"] is not None
+    junk = per_uid[h.uids["junk-"]]
+    assert junk["failures"][FailureReason.GARBAGE] >= 1 and junk["ok"] == 0
+    assert junk["failures"][FailureReason.GARBAGE] + junk["failures"].get(FailureReason.BUSY, 0) == miners[3].requests
+
+
+async def test_several_simulated_miners_serve_a_burst(make_sim_miner, make_gateway):
+    sims = [await make_sim_miner("rtx5090:time_scale=20", slots=2, tag=f"s{i}") for i in range(3)]
+    h = await make_gateway(sims, seed=5, timeouts=UpstreamTimeouts(first_token=10.0, stall=5.0, total=30.0))
+
+    async def one(i: int) -> tuple[int, str | None, int]:
+        async with h.chat(body(stream=i % 2 == 0, max_tokens=24)) as r:
+            if r.status != 200:
+                await r.read()
+                return r.status, None, 0
+            uid = r.headers["X-Tensorgate-Miner-Uid"]
+            if i % 2 == 0:
+                events = await read_sse(r)
+                assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+                return 200, uid, len(contents(events))
+            data = await r.json()
+            return 200, uid, data["usage"]["completion_tokens"]
+
+    results = await asyncio.gather(*(one(i) for i in range(10)))  # 10 > 6 slots: some get 429
+    served = [r for r in results if r[0] == 200]
+    assert len(served) >= 6 and all(r[0] in (200, 429) for r in results)
+    assert all(1 <= n <= 24 for _, _, n in served)  # the card may stop early ("stop"), never more
+    assert len({uid for _, uid, _ in served}) == 3  # every card got work
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and all(s.server.busy == 0 for s in sims))
+    assert len(h.measurements()) == h.upstream.dispatched
+    assert sum(s.server.served + s.server.refused_busy for s in sims) == h.upstream.dispatched
+    assert all(m.failure in (None, FailureReason.BUSY) for m in h.measurements())
+
+
+async def test_disconnect_frees_the_real_miners_slot(make_sim_miner, make_gateway):
+    sim = await make_sim_miner("rtx5090:time_scale=1", slots=1)  # ~0.5 s TTFT then 440 tok/s
+    h = await make_gateway([sim], timeouts=UpstreamTimeouts(first_token=10.0, stall=5.0, total=30.0))
+    resp = await h.client.post(h.base_url + "/v1/chat/completions", json=body(max_tokens=2000), headers=h.auth)
+    assert resp.status == 200
+    async for line in resp.content:
+        if b'"content":"' in line and b'"content":""' not in line:
+            break
+    assert sim.server.busy == 1
+    resp.close()
+    assert await eventually(lambda: sim.server.busy == 0 and h.router.total_in_flight() == 0)
+    assert await eventually(lambda: len(h.measurements()) == 1)
+    assert h.measurements()[0].failure == FailureReason.CLIENT_DISCONNECT
+    async with h.chat(body(stream=False, max_tokens=4)) as r:  # the single slot is usable again
+        assert r.status == 200
+
+
+async def test_relayed_frames_are_the_openai_shape(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=5))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=5, stream_options={"include_usage": True})) as r:
+        events = await read_sse(r)
+    first, *middle, usage, done = events
+    assert done == "[DONE]"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["tensorgate"] == {"miner_uid": 1, "miner_hotkey": m.hotkey}
+    cid = first["id"]
+    assert cid.startswith("chatcmpl-") and cid != f"chatcmpl-{m.tag}"  # the gateway's id, not the miner's
+    for e in middle:
+        assert set(e) == {"id", "object", "created", "model", "choices"}
+        assert (e["id"], e["object"], e["created"], e["model"]) == (cid, "chat.completion.chunk", first["created"],
+                                                                    MODEL)
+        assert set(e["choices"][0]) == {"index", "delta", "logprobs", "finish_reason"}
+    assert contents(middle) == [m.token(i) for i in range(5)]
+    assert middle[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5 and usage["id"] == cid
+
+
+async def test_relay_sends_once_per_miner_read_with_head_and_tail_joined(make_miner, make_gateway):
+    """Headers go out with the first frame, usage and ``[DONE]`` with the last: never a send per chunk."""
+    from gateway.protocol.openai import SchemaLimits, parse_chat_request
+
+    m = await make_miner(Script("ok", tokens=8, token_delay=0.02))  # tokens 1..7 arrive in reads of their own
+    h = await make_gateway([m])
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    req = parse_chat_request(body(max_tokens=8, stream_options={"include_usage": True}), SchemaLimits(models=(MODEL,)))
+    await h.gateway.relay.dispatch(req, send)
+    start, bodies = sent[0], sent[1:]
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    assert all(b["type"] == "http.response.body" for b in bodies)
+    assert [b["more_body"] for b in bodies] == [True] * (len(bodies) - 1) + [False]
+    frames = b"".join(b["body"] for b in bodies).split(b"\n\n")[:-1]
+    assert len(frames) == 12  # role, 8 tokens, finish, usage, [DONE]
+    assert b"role" in bodies[0]["body"] and m.token(0).encode() in bodies[0]["body"]  # role + first token: one send
+    assert bodies[-1]["body"].endswith(b"data: [DONE]\n\n") and b'"usage"' in bodies[-1]["body"]
+    assert len(bodies) < len(frames)  # reads, not frames, set the number of sends
+    assert h.measurements()[-1].ok
+
+
+async def test_a_client_that_never_reads_costs_the_miner_nothing(make_miner, make_gateway):
+    """While the relay waits for a slow client to take a write, no miner deadline runs: the miner is
+    not booked ``timeout`` for the client's back-pressure."""
+    from gateway.protocol.openai import SchemaLimits, parse_chat_request
+
+    m = await make_miner(Script("ok", tokens=6))
+    h = await make_gateway([m], timeouts=UpstreamTimeouts(connect=2.0, first_token=1.0, stall=0.2, total=15.0))
+    writes = 0
+
+    async def slow_send(message: dict) -> None:
+        nonlocal writes
+        writes += 1
+        if writes == 2:
+            await asyncio.sleep(0.6)  # three stall periods with the client not reading
+
+    req = parse_chat_request(body(max_tokens=6), SchemaLimits(models=(MODEL,)))
+    await h.gateway.relay.dispatch(req, slow_send)
+    assert [x.failure for x in h.measurements()] == [None]
