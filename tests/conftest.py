@@ -41,7 +41,7 @@ async def make_miner(alice: Keypair, miner_keys: list[Keypair]) -> AsyncIterator
 
     async def make(script: Script | None = None, *, slots: int = 4, tag: str | None = None) -> FakeMiner:
         i = len(started)
-        m = FakeMiner(miner_keys[i], trusted=alice.ss58_address, script=script or Script(), slots=slots,
+        m = FakeMiner(miner_keys[i], trusted={alice.ss58_address}, script=script or Script(), slots=slots,
                       tag=tag or f"m{i}-")
         await m.start()
         started.append(m)

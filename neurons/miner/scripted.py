@@ -1,0 +1,273 @@
+"""A scripted miner: the validator-to-miner wire contract served with a chosen behaviour, for tests and benchmarks.
+
+The reference miner (:mod:`neurons.miner.server`) is what operators run; this one exists to misbehave
+on purpose (hang, stall, drop, send garbage, NaN, too many tokens, no ``[DONE]``) and to stream on an
+exact clock, so a test can assert what the gateway books for each fault and a benchmark can attribute
+every extra millisecond to the proxy in front. There is one of it, used by ``tests/`` and
+``scripts/bench_lib/fake_upstream.py`` alike; it frames chunks and errors with the same code the
+gateway uses (:mod:`gateway.protocol`), so the two cannot drift apart.
+
+Timing is absolute from the request's arrival (first token at ``first_token_delay``, then one every
+``token_delay``), so timer jitter does not accumulate over a stream.
+
+Example::
+
+    miner = FakeMiner(Keypair.create_from_uri("//Bob"), trusted={alice.ss58_address},
+                      script=Script("drop_after", tokens=8, after=3))
+    await miner.start()
+    miner.endpoint      # "127.0.0.1:PORT"
+    await miner.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import bittensor as bt
+from aiohttp import web
+
+from gateway.protocol.errors import error_body
+from gateway.protocol.openai import CHAT_PATH, SLOTS_HEADER, requested_max_tokens
+from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
+
+BEHAVIORS = (
+    "ok",  # prelude, tokens, finish, usage, [DONE]
+    "gated",  # prelude + first token, then waits for .gate before the rest
+    "busy",  # always 429
+    "http500",  # always 500
+    "hang_headers",  # never sends response headers
+    "hang_first",  # headers + role prelude, then nothing
+    "stall_after",  # ``after`` tokens, then nothing
+    "drop_after",  # ``after`` tokens, then the connection is cut
+    "garbage",  # invalid JSON as the first event
+    "nan",  # a chunk containing NaN
+    "invalid_utf8",  # bytes that are not UTF-8
+    "long_line",  # one enormous line without a newline
+    "wrong_shape",  # valid JSON, not a chunk
+    "overlong",  # ignores max_tokens: sends ``tokens`` regardless
+    "empty",  # prelude, finish, [DONE], no content
+    "no_done",  # finish + usage, then closes without [DONE]
+)
+_FAULT_FRAMES = {
+    "garbage": b"data: {not json at all\n\n",
+    "nan": b'data: {"object": "chat.completion.chunk", "choices": [{"index": 0, '
+           b'"delta": {"content": "x"}, "finish_reason": null}], "x": NaN}\n\n',
+    "invalid_utf8": b'data: {"choices": [{"delta": {"content": "\xff\xfe"}}]}\n\n',
+    "long_line": b"data: " + b"a" * (256 * 1024),
+    "wrong_shape": b'data: {"choices": "nope"}\n\n',
+}
+HANG_S = 60.0  # "forever" for a misbehaving miner: far past any deadline a test or benchmark sets
+
+
+@dataclass
+class Script:
+    behavior: str = "ok"
+    tokens: int = 8  # tokens to send (capped by the request's max_tokens unless "overlong")
+    after: int = 2  # for stall_after / drop_after
+    token_delay: float = 0.0  # between tokens
+    headers_delay: float = 0.0  # before response headers
+    first_token_delay: float = 0.0  # after the headers and role chunk, before the first token (prefill)
+
+    def __post_init__(self) -> None:
+        if self.behavior not in BEHAVIORS:
+            raise ValueError(f"unknown behavior {self.behavior!r}")
+
+
+@dataclass
+class Counters:
+    """What the miner saw: both sides of every assertion a test or benchmark makes."""
+
+    requests: int = 0  # requests that passed auth (busy ones included)
+    verified: int = 0  # btauth signatures checked and accepted
+    unsigned: int = 0  # served without btauth (only with allow_unsigned)
+    auth_failures: int = 0
+    busy_refusals: int = 0
+    finished: int = 0  # responses completed normally
+    cancelled: int = 0  # handlers cancelled or cut off (the caller went away)
+    max_active: int = 0
+    connections: int = 0
+
+
+class FakeMiner:
+    """One scripted miner on a loopback port."""
+
+    def __init__(self, keypair: Any, *, trusted: Iterable[str] = (), script: Script | None = None, slots: int = 4,
+                 tag: str = "m", allow_unsigned: bool = False, keep_bodies: bool = True) -> None:
+        self.keypair = keypair
+        self.hotkey = str(keypair.ss58_address)
+        self.trusted = frozenset(trusted)
+        self.script = script or Script()
+        self.slots = slots
+        self.tag = tag
+        self.allow_unsigned = allow_unsigned
+        self.keep_bodies = keep_bodies
+        self.counters = Counters()
+        self.active = 0
+        self.bodies: list[dict[str, Any]] = []
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()  # set when a streaming response begins
+        self._nonces = bt.http_auth.InMemoryNonceStore()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post(CHAT_PATH, self._handle)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5,
+                                     handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, backlog=1024)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        self.gate.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    # the counters tests read most, by name
+    requests = property(lambda self: self.counters.requests)
+    finished = property(lambda self: self.counters.finished)
+    cancelled = property(lambda self: self.counters.cancelled)
+    auth_failures = property(lambda self: self.counters.auth_failures)
+    busy_refusals = property(lambda self: self.counters.busy_refusals)
+    max_active = property(lambda self: self.counters.max_active)
+
+    def token(self, i: int) -> str:
+        return f"{self.tag}{i} "
+
+    # -- the contract ------------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        c = self.counters
+        return web.json_response({"status": "ok", "slots": self.slots, "busy": self.active, "hotkey": self.hotkey,
+                                  "served": c.finished, "verified": c.verified, "unsigned": c.unsigned,
+                                  "rejected": c.auth_failures, "busy_refusals": c.busy_refusals})
+
+    def _refuse_caller(self, request: web.Request, raw: bytes) -> web.Response | None:
+        if self.allow_unsigned and bt.http_auth.HEADER_SIGNATURE not in request.headers:
+            self.counters.unsigned += 1
+            return None
+        try:
+            caller = bt.http_auth.verify(request.headers, raw, method="POST", path=request.path_qs,
+                                         self_hotkey_ss58=self.hotkey, nonce_store=self._nonces)
+        except bt.http_auth.WrongReceiver as e:
+            self.counters.auth_failures += 1
+            return _error(403, f"wrong receiver: {e}", "permission_error", "wrong_receiver")
+        except bt.http_auth.AuthError as e:
+            self.counters.auth_failures += 1
+            return _error(401, str(e), "authentication_error", type(e).__name__)
+        if self.trusted and caller.hotkey_ss58 not in self.trusted:
+            self.counters.auth_failures += 1
+            return _error(403, "caller hotkey is not trusted", "permission_error", "untrusted_caller")
+        self.counters.verified += 1
+        return None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        arrived = asyncio.get_running_loop().time()
+        raw = await request.read()
+        refused = self._refuse_caller(request, raw)
+        if refused is not None:
+            return refused
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return _error(400, "request body is not valid JSON", "invalid_request_error", "invalid_json")
+        c = self.counters
+        c.requests += 1
+        if self.keep_bodies:
+            self.bodies.append(body)
+        if self.script.behavior == "busy" or self.active >= self.slots:
+            c.busy_refusals += 1
+            return _error(429, "busy", "busy", "busy", headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
+        self.active += 1
+        c.max_active = max(c.max_active, self.active)
+        try:
+            resp = await self._respond(request, body, arrived)
+            c.finished += 1
+            return resp
+        except asyncio.CancelledError:
+            c.cancelled += 1
+            raise
+        except ConnectionError:  # the caller hung up while we were writing
+            c.cancelled += 1
+            return web.Response(status=499)
+        finally:
+            self.active -= 1
+
+    async def _respond(self, request: web.Request, body: dict[str, Any], arrived: float) -> web.StreamResponse:
+        s = self.script
+        loop = asyncio.get_running_loop()
+
+        async def until(offset: float) -> None:
+            await asyncio.sleep(max(0.0, arrived + offset - loop.time()))
+
+        if s.behavior == "http500":
+            return _error(500, "internal error", "server_error", "internal_error")
+        if s.behavior == "hang_headers":
+            await asyncio.sleep(HANG_S)
+        await until(s.headers_delay)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           SLOTS_HEADER: str(self.slots)})
+        await resp.prepare(request)
+        self.started.set()
+        model = body.get("model") if isinstance(body.get("model"), str) else "fake"
+        out = ChunkFramer(f"chatcmpl-{self.tag}", int(time.time()), str(model))
+        prelude = frame(out.chunk({"role": "assistant"}, None))
+        if s.behavior == "hang_first":
+            await resp.write(prelude)
+            await asyncio.sleep(HANG_S)
+        fault = _FAULT_FRAMES.get(s.behavior)
+        if fault is not None:
+            await resp.write(prelude + fault)
+            await asyncio.sleep(HANG_S)  # the gateway must stop reading on its own
+            return resp
+        max_tokens = requested_max_tokens(body, s.tokens)
+        n = s.tokens if s.behavior == "overlong" else min(s.tokens, max_tokens)
+        if s.behavior == "empty":
+            n = 0
+        pending = prelude
+        for i in range(n):
+            if s.behavior in ("stall_after", "drop_after") and i == s.after:
+                if pending:
+                    await resp.write(pending)
+                if s.behavior == "stall_after":
+                    await asyncio.sleep(HANG_S)
+                assert request.transport is not None
+                request.transport.abort()  # cut mid-stream: no terminating chunk
+                return resp
+            await until(s.headers_delay + s.first_token_delay + i * s.token_delay)
+            await resp.write(pending + out.content(self.token(i)))
+            pending = b""
+            if s.behavior == "gated" and i == 0:
+                await self.gate.wait()
+        tail = [pending, frame(out.chunk({}, "length" if n >= max_tokens else "stop"))]
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            tail.append(out.usage({"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}))
+        if s.behavior != "no_done":
+            tail.append(DONE_FRAME)
+        with contextlib.suppress(ConnectionError):
+            await resp.write(b"".join(tail))
+            await resp.write_eof()
+        return resp
+
+
+def _error(status: int, message: str, type: str, code: str | None,
+           headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, text=json.dumps(error_body(message, type=type, code=code)),
+                        content_type="application/json", headers=headers)
