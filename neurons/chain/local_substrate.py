@@ -7,9 +7,11 @@ validator permit, stake), the weight hyperparameters, ``Weights`` rows, ``LastUp
 commits and the epoch schedule. Blocks come from a clock (no thread): the head is computed lazily
 from wall time, so a 0.25 s block time makes tests fast and 12 s mirrors finney.
 
-State lives in ``<state_dir>/local_chain.json`` (atomic tmp + rename after every change), so a
-restart keeps the subnet and a second process (``python -m neurons.weights``) can read it with
-``read_only=True``. One writer at a time is enforced with a lock file.
+Split by job: the state as plain data (:mod:`.local_state`), its file and writer lock
+(:mod:`.local_files`: ``<state_dir>/local_chain.json``, atomic tmp + rename after every change, so a
+restart keeps the subnet and ``python -m neurons.weights`` can read it with ``read_only=True``), the
+chain's weight rules (:mod:`.local_rules`), and here the ``bt.Substrate`` seam itself: the clock,
+storage reads, and submission.
 
 Example::
 
@@ -45,157 +47,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import inspect
-import ipaddress
 import json
 import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bittensor import Balance, ChainError, ExtrinsicResult, sp_core
 from loguru import logger
 
-STATE_FILE = "local_chain.json"
-LOCK_FILE = "local_chain.lock"
-U16_MAX = 65535
-RAO_PER_UNIT = 10**9
-MECHANISM_STRIDE = 4096  # GLOBAL_MAX_SUBNET_COUNT: storage index = mechid * 4096 + netuid
-MAX_UNREVEALED_COMMITS = 10
-EXTRINSIC_LOG_LIMIT = 500
-_STATE_VERSION = 1
+from .local_files import STATE_FILE, StateDirLocked, StateFile
+from .local_rules import Refused, set_weights
+from .local_state import (
+    EXTRINSIC_LOG_LIMIT,
+    MAX_UNREVEALED_COMMITS,
+    MECHANISM_STRIDE,
+    RAO_PER_UNIT,
+    U16_MAX,
+    ChainState,
+    Commit,
+    Neuron,
+    Subnet,
+    jsonable,
+    parse_endpoint,
+)
 
-
-class StateDirLocked(RuntimeError):
-    """Another process holds the local chain's state directory for writing."""
-
-
-class _Refused(Exception):
-    """A dispatch error: the extrinsic is included but fails, as on chain."""
-
-    def __init__(self, name: str, detail: str = "") -> None:
-        self.name = name
-        self.text = name + (f" ({detail})" if detail else "")
-        super().__init__(self.text)
-
+__all__ = ["LocalSubstrate", "StateDirLocked", "Subnet", "Neuron", "Commit", "parse_endpoint"]
 
 # -- state model ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Neuron:
-    hotkey: str
-    coldkey: str
-    ip: int = 0
-    port: int = 0
-    ip_type: int = 4
-    validator_permit: bool = False
-    stake_rao: int = 0
-    registered_at: int = 0
-    last_update: int = 0  # 0 = never set weights (the SDK's preflight and the chain skip the limit)
-
-
-@dataclass
-class Commit:
-    hotkey: str
-    commit_block: int
-    epoch: int
-    reveal_block: int
-    reveal_round: int
-    ciphertext: str  # 0x-hex, as the chain stores it
-    plaintext: dict[str, Any] | None = None  # {"uids", "values", "version_key"} when the committer left it
-
-
-@dataclass
-class Subnet:
-    netuid: int
-    tempo: int = 360
-    weights_rate_limit: int = 100
-    max_weights_limit: int = U16_MAX  # u16; the cap is this / 65535 of a row's sum
-    min_allowed_weights: int = 1
-    commit_reveal: bool = False
-    reveal_period: int = 1  # epochs
-    weights_version_key: int = 0
-    weights_min_stake_rao: int = 0
-    max_allowed_uids: int = 256
-    consensus: str = "Yuma"
-    name: str = "tensorgate-local"
-    symbol: str = "α"
-    registered_at: int = 0
-    owner_hotkey: str = ""
-    owner_coldkey: str = ""
-    neurons: list[Neuron] = field(default_factory=list)
-    weights: dict[int, list[list[int]]] = field(default_factory=dict)  # uid -> [[dest, u16], ...]
-    commits: list[Commit] = field(default_factory=list)
-
-    # Epoch schedule: the classic subtensor rule, an epoch at every block with
-    # (block + netuid + 1) % (tempo + 1) == 0; its index counts epochs since genesis.
-    def epoch_index(self, block: int) -> int:
-        return (block + self.netuid + 1) // (self.tempo + 1) if self.tempo > 0 else 0
-
-    def epoch_block(self, index: int) -> int:
-        return max(0, index * (self.tempo + 1) - self.netuid - 1)
-
-    def last_epoch_block(self, block: int) -> int:
-        index = self.epoch_index(block)
-        return self.epoch_block(index) if index > 0 else 0
-
-    def uid_of(self, hotkey: str) -> int | None:
-        for uid, n in enumerate(self.neurons):
-            if n.hotkey == hotkey:
-                return uid
-        return None
-
-
-@dataclass
-class _State:
-    anchor_block: int
-    anchor_time: float
-    block_time: float
-    last_block: int
-    subnets: dict[int, Subnet] = field(default_factory=dict)
-    extrinsics: list[dict[str, Any]] = field(default_factory=list)
-    nonces: dict[str, int] = field(default_factory=dict)
-    version: int = _STATE_VERSION
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> _State:
-        subnets: dict[int, Subnet] = {}
-        for key, s in raw.get("subnets", {}).items():
-            s = dict(s)
-            neurons = [Neuron(**n) for n in s.pop("neurons", [])]
-            weights = {int(uid): [list(map(int, p)) for p in row] for uid, row in s.pop("weights", {}).items()}
-            commits = [Commit(**c) for c in s.pop("commits", [])]
-            subnets[int(key)] = Subnet(**s, neurons=neurons, weights=weights, commits=commits)
-        return cls(
-            anchor_block=int(raw["anchor_block"]), anchor_time=float(raw["anchor_time"]),
-            block_time=float(raw["block_time"]), last_block=int(raw["last_block"]), subnets=subnets,
-            extrinsics=list(raw.get("extrinsics", [])), nonces=dict(raw.get("nonces", {})),
-        )
-
-
-def parse_endpoint(endpoint: str | None) -> tuple[int, int, int]:
-    """``"ip:port"`` / ``"[v6]:port"`` -> (ip as int, port, ip_type); None -> nothing served."""
-    if not endpoint:
-        return 0, 0, 4
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"endpoint must be 'ip:port', got {endpoint!r}")
-    addr = ipaddress.ip_address(host.strip("[]"))
-    return int(addr), int(port), addr.version
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes | bytearray):
-        return "0x" + bytes(value).hex()
-    return str(value)
 
 
 # -- the substrate ----------------------------------------------------------------------------------
@@ -208,14 +90,14 @@ class LocalSubstrate:
     local-subnet orchestrator; everything else is the SDK protocol.
     """
 
-    def __init__(self, state_dir: Path, state: _State, *, clock: Callable[[], float], read_only: bool) -> None:
+    def __init__(self, state_dir: Path, state: ChainState, *, clock: Callable[[], float], read_only: bool) -> None:
         self.state_dir = state_dir
+        self._file = StateFile(state_dir)
         self.read_only = read_only
         self.token_symbols: dict[int, str] = {}
         self._state = state
         self._clock = clock
         self._lock = threading.RLock()
-        self._lock_fd: int | None = None
         self._stat: tuple[int, int] | None = None
         self._plaintexts: dict[tuple[int, str], dict[str, Any]] = {}
         self.default_netuid: int | None = None
@@ -225,10 +107,7 @@ class LocalSubstrate:
     @staticmethod
     def find_state_dir(path: str | os.PathLike[str]) -> Path:
         """The directory holding the state file: ``path`` itself or its ``chain/`` child."""
-        p = Path(path).expanduser()
-        if not (p / STATE_FILE).is_file() and (p / "chain" / STATE_FILE).is_file():
-            return p / "chain"
-        return p
+        return StateFile.find_state_dir(path)
 
     @classmethod
     def open(
@@ -247,18 +126,20 @@ class LocalSubstrate:
         """
         path = Path(state_dir).expanduser()
         if read_only:
-            path = cls.find_state_dir(path)
-            if not (path / STATE_FILE).is_file():
+            path = StateFile.find_state_dir(path)
+            file = StateFile(path)
+            if not file.exists():
                 raise FileNotFoundError(f"no local chain in {path} (expected {path / STATE_FILE})")
-            sub = cls(path, cls._read(path), clock=clock, read_only=True)
-            sub._stat = sub._file_stat()
+            sub = cls(path, file.read(), clock=clock, read_only=True)
+            sub._stat = file.stat()
             return sub
         path.mkdir(parents=True, exist_ok=True)
         now = clock()
-        if (path / STATE_FILE).is_file():
-            state = cls._read(path)
+        file = StateFile(path)
+        if file.exists():
+            state = file.read()
         else:
-            state = _State(anchor_block=1, anchor_time=now, block_time=block_time or 12.0, last_block=1)
+            state = ChainState(anchor_block=1, anchor_time=now, block_time=block_time or 12.0, last_block=1)
         sub = cls(path, state, clock=clock, read_only=False)
         sub._acquire()
         if block_time is not None and block_time != state.block_time:
@@ -267,62 +148,28 @@ class LocalSubstrate:
         sub._save()
         return sub
 
-    @staticmethod
-    def _read(path: Path) -> _State:
-        return _State.from_json(json.loads((path / STATE_FILE).read_text()))
-
-    def _file_stat(self) -> tuple[int, int] | None:
-        try:
-            st = os.stat(self.state_dir / STATE_FILE)
-        except FileNotFoundError:
-            return None
-        return st.st_mtime_ns, st.st_size
-
     def _refresh(self) -> None:
         """Readers pick up the writer's latest state (cheap stat per operation)."""
         if not self.read_only:
             return
-        stat = self._file_stat()
+        stat = self._file.stat()
         if stat is not None and stat != self._stat:
             with contextlib.suppress(json.JSONDecodeError, FileNotFoundError):
-                self._state = self._read(self.state_dir)
+                self._state = self._file.read()
                 self._stat = stat
 
     def _acquire(self) -> None:
-        if self._lock_fd is not None:
-            return
-        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise StateDirLocked(
-                f"{self.state_dir} is open for writing by another process; open it with read_only=True"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
+        self._file.lock()
 
     def _release(self) -> None:
-        if self._lock_fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                os.close(self._lock_fd)
-            self._lock_fd = None
+        self._file.unlock()
 
     def _save(self) -> None:
         if self.read_only:
             return
-        if self._lock_fd is None:
+        if not self._file.locked:
             raise ChainError(f"local chain {self.state_dir} is closed")
-        target = self.state_dir / STATE_FILE
-        tmp = target.with_name(f"{STATE_FILE}.{os.getpid()}.tmp")
-        data = json.dumps(self._state.to_json(), separators=(",", ":"), default=_jsonable)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        self._file.write(self._state)
 
     # -- clock ------------------------------------------------------------------------------------
 
@@ -479,60 +326,20 @@ class LocalSubstrate:
 
     # -- chain rules --------------------------------------------------------------------------------
 
-    def _set_weights(self, s: Subnet, hotkey: str, dests: list[int], values: list[int], version_key: int,
-                     block: int, *, reveal: bool) -> int:
-        """The chain's ``do_set_weights`` checks, in its order; writes the row. Returns the uid."""
-        if len(dests) != len(values):
-            raise _Refused("WeightVecNotEqualSize")
-        uid = s.uid_of(hotkey)
-        if uid is None:
-            raise _Refused("HotKeyNotRegisteredInSubNet", f"{hotkey} on netuid {s.netuid}")
-        n = s.neurons[uid]
-        if n.stake_rao < s.weights_min_stake_rao:
-            raise _Refused("NotEnoughStakeToSetWeights")
-        if version_key < s.weights_version_key:
-            raise _Refused("IncorrectWeightVersionKey", f"{version_key} < {s.weights_version_key}")
-        if not reveal and s.weights_rate_limit and n.last_update and block - n.last_update < s.weights_rate_limit:
-            raise _Refused("SettingWeightsTooFast",
-                           f"last set {block - n.last_update} blocks ago, limit {s.weights_rate_limit}")
-        is_self = dests == [uid]
-        if not is_self and not n.validator_permit:
-            raise _Refused("NeuronNoValidatorPermit")
-        if len(set(dests)) != len(dests):
-            raise _Refused("DuplicateUids")
-        if len(dests) > len(s.neurons):
-            raise _Refused("UidsLengthExceedUidsInSubNet")
-        if any(d < 0 or d >= len(s.neurons) for d in dests):
-            raise _Refused("UidVecContainInvalidOne")
-        if any(v < 0 or v > U16_MAX for v in values):
-            raise _Refused("MaxWeightExceeded", "values must be u16")
-        if not is_self and len(dests) < s.min_allowed_weights:
-            raise _Refused("WeightVecLengthIsLow", f"{len(dests)} < {s.min_allowed_weights}")
-        total = sum(values)
-        if total == 0:
-            raise _Refused("WeightVecLengthIsLow", "all weights are zero")
-        if not is_self and s.max_weights_limit < U16_MAX and not _max_limited(values, s.max_weights_limit):
-            raise _Refused("MaxWeightExceeded", f"max {max(values) / total:.6f} > {s.max_weights_limit / U16_MAX:.6f}")
-        top = max(values)
-        s.weights[uid] = [[d, round(v * U16_MAX / top)] for d, v in zip(dests, values, strict=True) if v]
-        if not reveal:
-            n.last_update = block
-        return uid
-
     def _commit(self, s: Subnet, hotkey: str, commit: Any, reveal_round: int, block: int) -> int:
         if not s.commit_reveal:
-            raise _Refused("CommitRevealDisabled")
+            raise Refused("CommitRevealDisabled")
         uid = s.uid_of(hotkey)
         if uid is None:
-            raise _Refused("HotKeyNotRegisteredInSubNet", f"{hotkey} on netuid {s.netuid}")
+            raise Refused("HotKeyNotRegisteredInSubNet", f"{hotkey} on netuid {s.netuid}")
         n = s.neurons[uid]
         if s.weights_rate_limit and n.last_update and block - n.last_update < s.weights_rate_limit:
-            raise _Refused("CommittingWeightsTooFast",
+            raise Refused("CommittingWeightsTooFast",
                            f"last set {block - n.last_update} blocks ago, limit {s.weights_rate_limit}")
         if sum(1 for c in s.commits if c.hotkey == hotkey) >= MAX_UNREVEALED_COMMITS:
-            raise _Refused("TooManyUnrevealedCommits")
+            raise Refused("TooManyUnrevealedCommits")
         epoch = s.epoch_index(block)
-        ciphertext = _jsonable(commit) if isinstance(commit, bytes | bytearray) else str(commit)
+        ciphertext = jsonable(commit) if isinstance(commit, bytes | bytearray) else str(commit)
         s.commits.append(Commit(
             hotkey=hotkey, commit_block=block, epoch=epoch, reveal_block=s.epoch_block(epoch + s.reveal_period),
             reveal_round=int(reveal_round), ciphertext=ciphertext,
@@ -553,9 +360,9 @@ class LocalSubstrate:
                               "commit has no local plaintext (drand is not reachable offline); dropped")
                     continue
                 try:
-                    uid = self._set_weights(s, c.hotkey, c.plaintext["uids"], c.plaintext["values"],
+                    uid = set_weights(s, c.hotkey, c.plaintext["uids"], c.plaintext["values"],
                                             c.plaintext["version_key"], c.reveal_block, reveal=True)
-                except _Refused as e:
+                except Refused as e:
                     self._log(c.reveal_block, c.hotkey, "reveal", False, e.text)
                 else:
                     self._log(c.reveal_block, c.hotkey, "reveal", True,
@@ -577,14 +384,14 @@ class LocalSubstrate:
         """The SDK's lifecycle hook: flush. Several clients may share one substrate, so the writer
         lock stays until its owner calls :meth:`release`."""
         with self._lock:
-            if self._lock_fd is not None:
+            if self._file.locked:
                 self._tick()
                 self._save()
 
     def release(self) -> None:
         """Flush and give up the writer lock (idempotent); another process may then open the chain."""
         with self._lock:
-            if self._lock_fd is not None:
+            if self._file.locked:
                 self._tick()
                 self._save()
             self._release()
@@ -794,7 +601,7 @@ class LocalSubstrate:
             raise ChainError("this local chain was opened read-only")
         module, function, params = call
         address = keypair.ss58_address
-        payload = json.dumps([module, function, params, nonce], sort_keys=True, default=_jsonable).encode()
+        payload = json.dumps([module, function, params, nonce], sort_keys=True, default=jsonable).encode()
         signature = keypair.sign(payload)
         if inspect.isawaitable(signature):
             signature = await signature
@@ -807,7 +614,7 @@ class LocalSubstrate:
             name = f"{module}.{function}"
             try:
                 events = self._dispatch(module, function, dict(params), address, head)
-            except _Refused as e:
+            except Refused as e:
                 index = self._log(head, address, name, False, f"{e.name}: {e.text}")
                 self._save()
                 logger.debug("local chain: {} by {} failed at block {}: {}", name, address, head, e.text)
@@ -821,19 +628,19 @@ class LocalSubstrate:
 
     def _dispatch(self, module: str, function: str, p: dict[str, Any], signer: str, head: int) -> list[dict]:
         if module != "SubtensorModule":
-            raise _Refused("CallFiltered", f"the local chain does not implement {module}.{function}")
+            raise Refused("CallFiltered", f"the local chain does not implement {module}.{function}")
         netuid = int(p.get("netuid", -1))
         s = self._state.subnets.get(netuid)
         if s is None:
-            raise _Refused("SubnetNotExists", f"netuid {netuid}")
+            raise Refused("SubnetNotExists", f"netuid {netuid}")
         if int(p.get("mecid", 0)) != 0:
-            raise _Refused("MechanismDoesNotExist", "the local chain models mechanism 0 only")
+            raise Refused("MechanismDoesNotExist", "the local chain models mechanism 0 only")
         if function in {"set_mechanism_weights", "set_weights"}:
             if s.commit_reveal:
-                raise _Refused("CommitRevealEnabled")
+                raise Refused("CommitRevealEnabled")
             dests = [int(d) for d in p["dests"]]
             values = [int(v) for v in p["weights"]]
-            uid = self._set_weights(s, signer, dests, values, int(p.get("version_key", 0)), head, reveal=False)
+            uid = set_weights(s, signer, dests, values, int(p.get("version_key", 0)), head, reveal=False)
             return [_event("WeightsSet", {"netuid": netuid, "uid": uid})]
         if function in {"commit_timelocked_mechanism_weights", "commit_timelocked_weights"}:
             uid = self._commit(s, signer, p["commit"], int(p["reveal_round"]), head)
@@ -842,11 +649,11 @@ class LocalSubstrate:
         if function in {"serve_axon", "serve_axon_tls"}:
             server_uid = s.uid_of(signer)
             if server_uid is None:
-                raise _Refused("HotKeyNotRegisteredInNetwork")
+                raise Refused("HotKeyNotRegisteredInNetwork")
             n = s.neurons[server_uid]
             n.ip, n.port, n.ip_type = int(p["ip"]), int(p["port"]), int(p.get("ip_type", 4))
             return [_event("AxonServed", {"netuid": netuid, "hotkey": signer})]
-        raise _Refused("CallFiltered", f"the local chain does not implement {module}.{function}")
+        raise Refused("CallFiltered", f"the local chain does not implement {module}.{function}")
 
     # -- bt.Substrate: the rest of the protocol (not modelled) --------------------------------------
 
@@ -876,16 +683,9 @@ class LocalSubstrate:
         raise ChainError("the local chain does not support multisig")
 
     def __del__(self) -> None:
-        if getattr(self, "_lock_fd", None) is not None:
-            self._release()
-
-
-def _max_limited(values: list[int], limit: int) -> bool:
-    """The chain's ``check_vec_max_limited`` in its own I32F32 arithmetic (32 fractional bits,
-    divisions truncate): ``max(v) / sum(v) <= limit / 65535``. Exact rationals would be stricter than
-    the chain and refuse weights it accepts."""
-    one = 1 << 32
-    return (max(values) * one) // sum(values) <= (limit * one) // U16_MAX
+        file = getattr(self, "_file", None)
+        if file is not None and file.locked:
+            file.unlock()
 
 
 def _event(event_id: str, attributes: dict[str, Any]) -> dict[str, Any]:
