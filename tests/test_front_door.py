@@ -15,7 +15,7 @@ import pytest
 
 from scoring.measurement import FailureReason
 from tests.conftest import API_KEY
-from tests.fakes import Script, body
+from tests.fakes import Script, body, eventually
 
 AUTH = f"Authorization: Bearer {API_KEY}\r\n".encode()
 
@@ -131,8 +131,8 @@ async def test_a_half_closed_client_is_treated_as_gone_and_no_miner_is_blamed(ma
     m = await make_miner(Script("ok", tokens=3, first_token_delay=0.3))
     h = await make_gateway([m])
     await _exchange(h.gateway.port, _chat_request(), half_close=True, within=2.0)
-    assert await _until(lambda: h.router.total_in_flight() == 0 and m.active == 0)
-    assert await _until(lambda: len(h.measurements()) == 1)
+    assert await eventually(lambda: h.router.total_in_flight() == 0 and m.active == 0)
+    assert await eventually(lambda: len(h.measurements()) == 1)
     assert [x.failure for x in h.measurements()] == [FailureReason.CLIENT_DISCONNECT]
 
 
@@ -187,21 +187,12 @@ async def test_stop_lets_a_stream_finish_within_the_grace_period(make_miner, mak
     h = await make_gateway([m], shutdown_timeout=5.0)
     port = h.gateway.port
     task = asyncio.create_task(_exchange(port, _chat_request(), within=8.0))
-    assert await _until(lambda: m.active == 1)
+    assert await eventually(lambda: m.active == 1)
     await h.gateway.stop()
     answer = await task
     assert b"data: [DONE]" in answer
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), 0.5).close()  # no longer listening
-
-
-async def _until(cond, within: float = 5.0) -> bool:
-    end = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 async def test_accepted_connections_have_nagle_off() -> None:
@@ -219,7 +210,7 @@ async def test_accepted_connections_have_nagle_off() -> None:
     server = await asyncio.get_running_loop().create_server(Keep, sock=listener)
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", listener.getsockname()[1])
-        assert await _until(lambda: bool(accepted))
+        assert await eventually(lambda: bool(accepted))
         assert accepted[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
         writer.close()
     finally:

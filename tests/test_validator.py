@@ -181,3 +181,32 @@ def test_operator_mistakes_exit_2_with_one_clear_line(tmp_path: Path, capfd: pyt
     err = capfd.readouterr().err
     assert "validator.sqlite" in err and "not reset" in err
     assert (state / "validator.sqlite").read_bytes().startswith(b"definitely not sqlite")  # left as it was
+
+
+def test_building_a_validator_does_no_io(tmp_path: Path) -> None:
+    """Constructors open nothing: the state dir, SQLite and sockets come with start()."""
+    state = tmp_path / "not-yet"
+    v = build_validator(ValidatorConfig(state_dir=state, gateway_port=0), FakeChain([]), dev_keypair("Alice"))
+    assert not state.exists() and v.store is None
+    with pytest.raises(RuntimeError):
+        _ = v.gateway.port  # not listening
+
+
+async def test_a_round_that_cannot_be_saved_does_not_stop_scoring(tmp_path: Path) -> None:
+    v = await _validator_with_scores(tmp_path, FakeChain([]))
+    assert v.store is not None
+    v.store.close()  # every write now fails
+    entry = await v.close_round()
+    assert entry.index == 2 and v.rounds_closed == 2  # the round closed in memory all the same
+    v.store = None
+    await v.stop()
+
+
+async def test_history_kept_in_memory_is_bounded(tmp_path: Path) -> None:
+    from neurons.validator.neuron import RECENT
+
+    v = await _validator_with_scores(tmp_path, FakeChain([]))
+    for _ in range(RECENT + 5):
+        await v.close_round()
+    assert len(v.recent_rounds) == RECENT and v.rounds_closed == RECENT + 6
+    await v.stop()
