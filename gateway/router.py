@@ -65,7 +65,7 @@ class MinerState:
     in_flight: int = 0
     served: int = 0
     passes: float = 0.0  # stride-scheduling pass: grows by 1/score per dispatch
-    _bucket: float = field(default=0.0, repr=False)
+    bucket_load: float = field(default=0.0, repr=False)  # the router's bookkeeping: the load bucket it sits in
 
     @property
     def load(self) -> float:
@@ -371,12 +371,12 @@ class Router:
         if b is None:
             b = self._buckets[load] = _Bucket()
         b.add(m, self._weight(m))
-        m._bucket = load
+        m.bucket_load = load
 
     def _unbucket(self, m: MinerState) -> None:
-        b = self._buckets.get(m._bucket)
+        b = self._buckets.get(m.bucket_load)
         if b is None or not b.holds(m):
             return
         b.remove(m)
         if not len(b):
-            del self._buckets[m._bucket]
+            del self._buckets[m.bucket_load]
