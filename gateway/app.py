@@ -6,8 +6,8 @@ life from router lease to last byte), ``/v1/models``, ``/v1/status`` and ``/heal
 an OpenAI-shaped error (:mod:`gateway.protocol.errors`), counted in ``outcomes`` with the relay's own
 stream outcomes, so the status page shows one ledger.
 
-It is a raw ASGI callable, no framework, served by aiohttp (:mod:`gateway.http.server`) and servable by
-any ASGI server; the refusals some servers let through are checked here once for all of them: HTTP/0.9,
+It is a raw ASGI callable, no framework, served by aiohttp (:mod:`gateway.http.server`) and testable as a
+plain call; the refusals some servers let through are checked here, whatever the server: HTTP/0.9,
 HTTP/1.1 without ``Host``, control characters in header values. A completion request is authorised
 from its head, before its body is read, and a body over ``max_body_bytes`` is refused as soon as that
 is known (``Content-Length``, or while reading a chunked one).
@@ -36,7 +36,7 @@ from loguru import logger
 
 from .asgi import ClientGone, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, load_key_hashes
-from .http.server import CANCELS_ON_DISCONNECT, HttpServer
+from .http.server import HttpServer
 from .protocol.errors import GatewayError, invalid_json, payload_too_large, unauthorized
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SchemaLimits, parse_chat_request
 from .relay import Relay, RelayConfig
@@ -234,7 +234,7 @@ class Gateway:
         except (ValueError, RecursionError):
             raise invalid_json() from None
         req = parse_chat_request(body, self.limits)
-        await self.relay.serve(req, receive, send, watch=not scope.get(CANCELS_ON_DISCONNECT, False))
+        await self.relay.serve(req, send)
 
 
 def _headers(scope: Scope) -> dict[str, str]:

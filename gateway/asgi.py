@@ -1,23 +1,19 @@
-"""The ASGI edge the gateway speaks: types, a JSON answer, and noticing that a client left.
+"""The ASGI edge the gateway speaks: its types and a JSON answer, framework-free.
 
-Kept small and framework-free so the front door runs on any ASGI server. Noticing a client that
-left matters for money, not tidiness: a stream nobody reads still holds a miner's slot, so the
-moment the server reports ``http.disconnect`` the request's handler is cancelled, which closes the
-miner connection and frees the slot (:meth:`client_watch`).
+The front door is an ASGI callable so its answers can be tested as plain calls (``tests/test_app_asgi.py``).
+The server underneath (:mod:`gateway.http.server`) must cancel a request's handler when its client
+disconnects: a stream nobody reads still holds a miner's slot, and the cancellation is what closes
+the miner connection and frees it. aiohttp's ``handler_cancellation`` does exactly that.
 
 Example::
 
-    async with client_watch(receive) as watch:
-        await relay(...)            # cancelled at once if the client goes away
-    watch.gone                      # True when that is how it ended (the handler returns normally)
+    await send_json(send, 404, {"error": {...}})
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 Scope = MutableMapping[str, Any]
@@ -44,39 +40,3 @@ async def send_json(send: Send, status: int, obj: Any, *, headers: Mapping[str, 
         head.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": head})
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-class ClientWatch:
-    """Set by :func:`client_watch`: whether the watched handler ended because its client left."""
-
-    def __init__(self) -> None:
-        self.gone = False
-        self.done = False  # the handler finished its answer: a disconnect from now on changes nothing
-
-
-@asynccontextmanager
-async def client_watch(receive: Receive) -> AsyncIterator[ClientWatch]:
-    """Cancel the enclosing task when the client disconnects; swallow that cancellation (only that one)."""
-    task = asyncio.current_task()
-    assert task is not None
-    watch = ClientWatch()
-
-    async def wait_for_disconnect() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not watch.done:
-                    watch.gone = True
-                    task.cancel()
-                return
-
-    watcher = asyncio.create_task(wait_for_disconnect(), name="client-watch")
-    try:
-        yield watch
-    except asyncio.CancelledError:
-        if watch.gone and task.uncancel() == 0:
-            return  # our own cancellation: the client left, the handler ends normally
-        raise
-    finally:
-        watch.done = True
-        watcher.cancel()

@@ -5,8 +5,8 @@ first content chunk has arrived nothing is sent to the client, so a miner that i
 slow to start or broken is released and another is tried (``exclude`` = the miners tried), up to
 ``max_retries`` times. From the first content chunk on, the request belongs to that miner: a
 failure ends the stream with an error event and ``[DONE]`` — never a hang, never a second miner's
-tokens spliced in. A client that disconnects cancels its handler (:func:`gateway.asgi.client_watch`),
-so the upstream request is cancelled at once and the miner's slot freed.
+tokens spliced in. A client that disconnects has its handler cancelled by the server
+(:mod:`gateway.asgi`), so the upstream request is cancelled at once and the miner's slot freed.
 
 The relay writes once per miner read, not once per chunk: frames decoded from one read (and the
 headers with the first of them, the usage chunk and ``[DONE]`` with the last) leave in one body
@@ -18,7 +18,7 @@ no miner deadline runs while the relay waits on the client.
 Example::
 
     relay = Relay(RelayConfig(max_retries=2), router, upstream, outcomes=Counter())
-    await relay.serve(parse_chat_request(body, limits), receive, send)   # inside an ASGI app
+    await relay.serve(parse_chat_request(body, limits), send)   # inside an ASGI app
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 from scoring.measurement import FailureReason
 
-from .asgi import Receive, Send, client_watch, send_json
+from .asgi import Send, send_json
 from .protocol.errors import GatewayError, bad_gateway, gateway_timeout, no_capacity
 from .protocol.openai import ChatRequest
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
@@ -62,22 +62,13 @@ class Relay:
         self.upstream = upstream
         self.outcomes = outcomes
 
-    async def serve(self, req: ChatRequest, receive: Receive, send: Send, *, watch: bool = True) -> None:
-        """Answer ``req``; a client that leaves cancels it at once (its miner's slot is freed).
-
-        ``watch``: watch ``receive`` for the disconnect; False when the server cancels the handler itself.
-        """
-        if not watch:
-            try:
-                await self.dispatch(req, send)
-            except asyncio.CancelledError:
-                self.outcomes["client_disconnect"] += 1
-                raise
-            return
-        async with client_watch(receive) as w:
+    async def serve(self, req: ChatRequest, send: Send) -> None:
+        """Answer ``req``; the server cancels this when the client leaves, which frees the miner's slot."""
+        try:
             await self.dispatch(req, send)
-        if w.gone:
+        except asyncio.CancelledError:
             self.outcomes["client_disconnect"] += 1
+            raise
 
     async def dispatch(self, req: ChatRequest, send: Send) -> None:
         """Serve ``req`` from the first miner that produces content, trying others before the first byte.

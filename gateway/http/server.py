@@ -44,8 +44,6 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
-CANCELS_ON_DISCONNECT = "tensorgate.cancels_on_disconnect"  # scope key: the server cancels the handler itself
-
 
 class _QuietBadRequests(logging.Filter):
     """Drops aiohttp's ERROR record (with traceback) for each malformed client request."""
@@ -130,7 +128,6 @@ class HttpServer:
             "method": request.method,
             "path": request.path,
             "headers": [(k.lower(), val) for k, val in request.raw_headers],
-            CANCELS_ON_DISCONNECT: True,
         }
         state: dict[str, Any] = {"response": None, "start": None, "asked": False}
 
