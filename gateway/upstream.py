@@ -164,6 +164,12 @@ class Upstream:
         except Exception:  # the sink must never break serving
             logger.opt(exception=True).error("measurement sink raised; measurement for uid {} lost", m.uid)
 
+    async def aclose(self) -> None:
+        """Stop the background drains of finished answers (their connections close with the client)."""
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
+
     def drain_then_release(self, resp: aiohttp.ClientResponse, within_s: float = 2.0) -> None:
         """Read the rest of a finished answer (the chunked terminator after ``[DONE]``) so its connection
         is reused; a miner that sends more, or too late, has the connection closed."""
@@ -210,6 +216,8 @@ class UpstreamStream:
         self._resp: aiohttp.ClientResponse | None = None
         self._timer: asyncio.TimerHandle | None = None  # the one deadline timer of the streaming phase
         self._deadline_passed = False
+        self._waiting = False  # a read from the miner is pending: only then may a deadline end the stream
+        self._wait_from = self.t0  # when the consumer last came back for more (after a slow client, say)
         self.measurement: Measurement | None = None
         self._error: UpstreamError | None = None
         upstream.dispatched += 1
@@ -247,7 +255,9 @@ class UpstreamStream:
     def _deadline(self) -> float:
         t = self._tmo
         if self.meter.content_started:
-            deadline = self.meter.last_event_at + t.stall
+            # silence counts from the last event, or from when the validator came back to read, whichever is
+            # later: time spent waiting on a slow client is never the miner's stall
+            deadline = max(self.meter.last_event_at, self._wait_from) + t.stall
         else:
             deadline = self.t0 + t.first_token
         return min(deadline, self.t0 + t.total)
@@ -374,6 +384,7 @@ class UpstreamStream:
 
         Raises :class:`UpstreamError` when the stream failed (the measurement is already recorded).
         """
+        self._wait_from = self._loop.time()
         while True:
             if self._error is not None:
                 raise self._error
@@ -387,12 +398,15 @@ class UpstreamStream:
                 return []
             if self._timer is None:
                 self._timer = self._loop.call_at(self._deadline(), self._on_deadline)
+            self._waiting = True
             try:
                 data = await resp.content.readany()
             except (aiohttp.ClientError, OSError) as e:  # reset, or the bytes stopped being HTTP
                 if self._deadline_passed:
                     raise self._timed_out() from None
                 raise self._fail(FailureReason.DROPPED, detail=type(e).__name__) from None
+            finally:
+                self._waiting = False
             if self._deadline_passed:
                 raise self._timed_out()
             try:
@@ -416,8 +430,8 @@ class UpstreamStream:
         ends a read by closing the miner's connection, which the read then reports.
         """
         self._timer = None
-        if self.measurement is not None or self._resp is None:
-            return
+        if self.measurement is not None or self._resp is None or not self._waiting:
+            return  # not reading now: the next read re-arms the timer from its own start
         deadline = self._deadline()
         if self._loop.time() < deadline:
             self._timer = self._loop.call_at(deadline, self._on_deadline)

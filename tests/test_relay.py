@@ -363,21 +363,31 @@ async def test_relay_sends_once_per_miner_read_with_head_and_tail_joined(make_mi
     assert h.measurements()[-1].ok
 
 
-async def test_a_client_that_never_reads_costs_the_miner_nothing(make_miner, make_gateway):
-    """While the relay waits for a slow client to take a write, no miner deadline runs: the miner is
-    not booked ``timeout`` for the client's back-pressure."""
+async def test_a_slow_client_costs_the_miner_nothing(make_miner, make_gateway):
+    """While the relay waits for a slow client to take a write, no miner deadline may end the stream: the
+    miner is not booked ``timeout`` for the client's back-pressure, and every token still arrives."""
     from gateway.protocol.openai import SchemaLimits, parse_chat_request
 
-    m = await make_miner(Script("ok", tokens=6))
+    m = await make_miner(Script("ok", tokens=10, token_delay=0.05))  # still streaming while the client dawdles
     h = await make_gateway([m], timeouts=UpstreamTimeouts(connect=2.0, first_token=1.0, stall=0.2, total=15.0))
-    writes = 0
+    sent: list[bytes] = []
 
     async def slow_send(message: dict) -> None:
-        nonlocal writes
-        writes += 1
-        if writes == 2:
-            await asyncio.sleep(0.6)  # three stall periods with the client not reading
+        sent.append(message.get("body", b""))
+        if len(sent) == 3:
+            await asyncio.sleep(1.5)  # past the first-token timer and seven stall periods, not reading
 
-    req = parse_chat_request(body(max_tokens=6), SchemaLimits(models=(MODEL,)))
+    req = parse_chat_request(body(max_tokens=10), SchemaLimits(models=(MODEL,)))
     await h.gateway.relay.dispatch(req, slow_send)
     assert [x.failure for x in h.measurements()] == [None]
+    assert all(m.token(i).encode() in b"".join(sent) for i in range(10)) and sent[-1].endswith(b"[DONE]\n\n")
+
+
+async def test_a_stalled_miner_still_times_out_while_the_client_keeps_up(make_miner, make_gateway):
+    m = await make_miner(Script("stall_after", tokens=10, after=3))
+    h = await make_gateway([m], timeouts=UpstreamTimeouts(connect=2.0, first_token=1.0, stall=0.2, total=15.0))
+    async with h.chat(body(max_tokens=10)) as r:
+        events = await read_sse(r)
+    assert contents(events) == [m.token(i) for i in range(3)] and "error" in events[-2]
+    assert [x.failure for x in h.measurements()] == [FailureReason.TIMEOUT]
+

@@ -59,6 +59,7 @@ class ValidatorParts:
         """Stop serving and drop miner connections (the chain and the store are the validator's)."""
         await self.probes.aclose()
         await self.gateway.stop()
+        await self.upstream.aclose()
         await self.client.close()
 
 
