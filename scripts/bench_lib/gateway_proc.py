@@ -2,8 +2,8 @@
 
 Wired by the validator's own :func:`neurons.validator.build.build_parts`: real routing (weighted-random
 least-in-flight), real signing (btauth, one receiver hotkey per miner) and real measurement, the
-measurement queue drained into the scorer twice a second as the validator drains it. It runs in its
-own process so its CPU and RSS can be read from ``/proc``.
+measurement queue drained into the scorer twice a second and a round closed every 20 s, as the
+validator does (compressed). It runs in its own process so its CPU and RSS can be read from ``/proc``.
 
 Prints ``READY {"port": ..., "pid": ...}`` once listening; exits when killed, when its parent dies,
 or after ``--max-seconds``::
@@ -42,7 +42,7 @@ def parse_miner(spec: str, uid: int) -> Candidate:
 
 
 async def serve(candidates: list[Candidate], key: str, models: list[str], seed: int, max_seconds: float,
-                drain_every: float) -> None:
+                drain_every: float, round_every: float = 20.0) -> None:
     parent = os.getppid()
     parts = build_parts(ValidatorConfig(gateway_port=0, models=models, seed=seed), validator_keypair(),
                         api_keys=[key], env={})
@@ -54,11 +54,15 @@ async def serve(candidates: list[Candidate], key: str, models: list[str], seed: 
         print("READY " + json.dumps({"port": parts.gateway.port, "pid": os.getpid()}), flush=True)
         loop = asyncio.get_running_loop()
         end = loop.time() + max_seconds
+        next_round = loop.time() + round_every
         while os.getppid() == parent and loop.time() < end:
             await asyncio.sleep(drain_every)
             for m in sink.drain():  # as the validator does: the measurement queue feeds the scorer
                 parts.scorer.record(m)
                 drained += 1
+            if loop.time() >= next_round:  # and rounds close, so the round in progress stays bounded
+                parts.scorer.close_round()
+                next_round += round_every
     finally:
         await parts.aclose()
         logger.info("gateway bench process done: {} measurements drained, {} overflowed",
