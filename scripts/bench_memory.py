@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
                "--trusted", validator_keypair().ss58_address]
     with Child(up_argv, name="fake-upstream") as up:
         info = up.wait_ready()
-        gw_argv = [py, str(HERE / "bench_lib" / "gateway_proc.py"), "--key", KEY, "--model", "bench"]
+        # rounds close every 2 s: what the validator keeps per round (TTFT samples) is bounded by its
+        # round length, so a run shorter than a round would read the round in progress as a leak
+        gw_argv = [py, str(HERE / "bench_lib" / "gateway_proc.py"), "--key", KEY, "--model", "bench",
+                   "--round-every", "2"]
         for port, hk in zip(info["ports"], info["hotkeys"], strict=True):
             gw_argv += ["--miner", f"127.0.0.1:{port}={hk}=1024"]
         with Child(gw_argv, name="gateway") as gw:

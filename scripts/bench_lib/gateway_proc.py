@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", action="append", default=None, help="served model name (repeatable)")
     p.add_argument("--seed", type=int, default=7, help="router RNG seed")
     p.add_argument("--drain-every", type=float, default=0.5, help="seconds between measurement-queue drains")
+    p.add_argument("--round-every", type=float, default=20.0, help="seconds between scoring rounds closed")
     p.add_argument("--log-level", default="WARNING", help="loguru level on stderr")
     p.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long regardless")
     a = p.parse_args(argv)
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.add(sys.stderr, level=a.log_level)
     cands = [parse_miner(spec, uid) for uid, spec in enumerate(a.miner)]
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(cands, a.key, a.model or ["bench"], a.seed, a.max_seconds, a.drain_every))
+        asyncio.run(serve(cands, a.key, a.model or ["bench"], a.seed, a.max_seconds, a.drain_every, a.round_every))
     return 0
 
 
