@@ -173,6 +173,16 @@ async def test_body_over_the_cap_is_refused_by_length_and_while_chunked(make_min
     assert m.requests == 0 and h.gateway.outcomes["413"] == 2
 
 
+async def test_head_gets_the_head_and_no_body(gw) -> None:
+    """A body after a HEAD answer would be read as the start of the next response on the connection."""
+    two = b"HEAD /health HTTP/1.1\r\nHost: gw\r\n\r\nGET /health HTTP/1.1\r\nHost: gw\r\n\r\n"
+    answer = await _exchange(gw.gateway.port, two, done=lambda out: out.count(b"HTTP/1.1 200") == 2 and _complete(
+        out[out.rfind(b"HTTP/1.1 200"):]))
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"content-length: " in head.lower()
+    assert rest.startswith(b"HTTP/1.1 200"), rest[:60]  # the next response follows the HEAD's head at once
+
+
 async def test_pipelined_requests_are_answered_in_order(gw) -> None:
     two = b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\nGET /nope HTTP/1.1\r\nHost: gw\r\n\r\n"
     answer = await _exchange(gw.gateway.port, two, done=lambda out: out.count(b"HTTP/1.1 ") == 2 and _complete(

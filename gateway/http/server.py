@@ -162,7 +162,7 @@ class HttpServer:
                 state["response"] = response
                 await response.prepare(request)
             body = message.get("body", b"")
-            if body:
+            if body and request.method != "HEAD":  # a HEAD answer has the GET's head and no body
                 await response.write(body)
             if not message.get("more_body", False):
                 await response.write_eof()
