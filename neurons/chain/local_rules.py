@@ -1,4 +1,4 @@
-"""The chain's own weight rules, applied to local state: what subtensor's ``do_set_weights`` checks, in its order.
+"""The chain's own weight rules, applied to local state: ``do_set_weights`` and the timelocked commit, in order.
 
 Pure functions over :class:`~.local_state.Subnet` data, so the rules can be read (and tested) apart from
 the ``bt.Substrate`` plumbing that calls them (:mod:`.local_substrate`). A broken rule raises
@@ -7,7 +7,9 @@ the ``bt.Substrate`` plumbing that calls them (:mod:`.local_substrate`). A broke
 
 from __future__ import annotations
 
-from .local_state import U16_MAX, Subnet
+from typing import Any
+
+from .local_state import MAX_UNREVEALED_COMMITS, U16_MAX, Commit, Subnet, jsonable
 
 
 class Refused(Exception):
@@ -66,3 +68,28 @@ def max_limited(values: list[int], limit: int) -> bool:
     the chain and refuse weights it accepts."""
     one = 1 << 32
     return (max(values) * one) // sum(values) <= (limit * one) // U16_MAX
+
+
+def commit_weights(s: Subnet, hotkey: str, commit: Any, reveal_round: int, block: int,
+                   plaintext: dict[str, Any] | None) -> int:
+    """The chain's timelocked-commit checks; stores the commit (with the plaintext the committer left, if any)."""
+    if not s.commit_reveal:
+        raise Refused("CommitRevealDisabled")
+    uid = s.uid_of(hotkey)
+    if uid is None:
+        raise Refused("HotKeyNotRegisteredInSubNet", f"{hotkey} on netuid {s.netuid}")
+    n = s.neurons[uid]
+    if s.weights_rate_limit and n.last_update and block - n.last_update < s.weights_rate_limit:
+        raise Refused("CommittingWeightsTooFast",
+                      f"last set {block - n.last_update} blocks ago, limit {s.weights_rate_limit}")
+    if sum(1 for c in s.commits if c.hotkey == hotkey) >= MAX_UNREVEALED_COMMITS:
+        raise Refused("TooManyUnrevealedCommits")
+    epoch = s.epoch_index(block)
+    ciphertext = jsonable(commit) if isinstance(commit, bytes | bytearray) else str(commit)
+    s.commits.append(Commit(
+        hotkey=hotkey, commit_block=block, epoch=epoch, reveal_block=s.epoch_block(epoch + s.reveal_period),
+        reveal_round=int(reveal_round), ciphertext=ciphertext,
+        plaintext=plaintext,
+    ))
+    n.last_update = block
+    return uid

@@ -94,6 +94,10 @@ class ChainState:
     nonces: dict[str, int] = field(default_factory=dict)
     version: int = STATE_VERSION
 
+    def block_timestamp_ms(self, block: int) -> int:
+        """When ``block`` was (or will be) produced, on the anchored clock, in ms (``Timestamp.Now``)."""
+        return int((self.anchor_time + (block - self.anchor_block) * self.block_time) * 1000)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

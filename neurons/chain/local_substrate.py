@@ -10,8 +10,8 @@ from wall time, so a 0.25 s block time makes tests fast and 12 s mirrors finney.
 Split by job: the state as plain data (:mod:`.local_state`), its file and writer lock
 (:mod:`.local_files`: ``<state_dir>/local_chain.json``, atomic tmp + rename after every change, so a
 restart keeps the subnet and ``python -m neurons.weights`` can read it with ``read_only=True``), the
-chain's weight rules (:mod:`.local_rules`), and here the ``bt.Substrate`` seam itself: the clock,
-storage reads, and submission.
+chain's weight and commit rules (:mod:`.local_rules`), what storage reads return (:mod:`.local_reads`),
+and here the ``bt.Substrate`` seam itself: the clock, the lock, reveals, and submission.
 
 Example::
 
@@ -60,11 +60,10 @@ from bittensor import Balance, ChainError, ExtrinsicResult, sp_core
 from loguru import logger
 
 from .local_files import STATE_FILE, StateDirLocked, StateFile
-from .local_rules import Refused, set_weights
+from .local_reads import metagraph, read_storage, read_storage_map
+from .local_rules import Refused, commit_weights, set_weights
 from .local_state import (
     EXTRINSIC_LOG_LIMIT,
-    MAX_UNREVEALED_COMMITS,
-    MECHANISM_STRIDE,
     RAO_PER_UNIT,
     U16_MAX,
     ChainState,
@@ -187,10 +186,6 @@ class LocalSubstrate:
             if self._apply_reveals(head):
                 self._save()
         return head
-
-    def _block_timestamp_ms(self, block: int) -> int:
-        s = self._state
-        return int((s.anchor_time + (block - s.anchor_block) * s.block_time) * 1000)
 
     # -- orchestrator helpers ---------------------------------------------------------------------
 
@@ -324,29 +319,7 @@ class LocalSubstrate:
         del self._state.extrinsics[:-EXTRINSIC_LOG_LIMIT]
         return index
 
-    # -- chain rules --------------------------------------------------------------------------------
-
-    def _commit(self, s: Subnet, hotkey: str, commit: Any, reveal_round: int, block: int) -> int:
-        if not s.commit_reveal:
-            raise Refused("CommitRevealDisabled")
-        uid = s.uid_of(hotkey)
-        if uid is None:
-            raise Refused("HotKeyNotRegisteredInSubNet", f"{hotkey} on netuid {s.netuid}")
-        n = s.neurons[uid]
-        if s.weights_rate_limit and n.last_update and block - n.last_update < s.weights_rate_limit:
-            raise Refused("CommittingWeightsTooFast",
-                           f"last set {block - n.last_update} blocks ago, limit {s.weights_rate_limit}")
-        if sum(1 for c in s.commits if c.hotkey == hotkey) >= MAX_UNREVEALED_COMMITS:
-            raise Refused("TooManyUnrevealedCommits")
-        epoch = s.epoch_index(block)
-        ciphertext = jsonable(commit) if isinstance(commit, bytes | bytearray) else str(commit)
-        s.commits.append(Commit(
-            hotkey=hotkey, commit_block=block, epoch=epoch, reveal_block=s.epoch_block(epoch + s.reveal_period),
-            reveal_round=int(reveal_round), ciphertext=ciphertext,
-            plaintext=self._plaintexts.pop((s.netuid, hotkey), None),
-        ))
-        n.last_update = block
-        return uid
+    # -- reveals ----------------------------------------------------------------------------------
 
     def _apply_reveals(self, head: int) -> bool:
         changed = False
@@ -421,7 +394,7 @@ class LocalSubstrate:
             if number > head:
                 return None
             extrinsics = [{"call": {"call_module": "Timestamp", "call_function": "set",
-                                    "call_args": [{"name": "now", "value": self._block_timestamp_ms(number)}]}}]
+                                    "call_args": [{"name": "now", "value": self._state.block_timestamp_ms(number)}]}}]
             extrinsics += [{"call": {"call_module": e["call"].split(".")[0], "call_function": e["call"].split(".")[-1],
                                      "call_args": []}, "signer": e["signer"]}
                            for e in self._state.extrinsics if e["block"] == number and "." in e["call"]]
@@ -450,13 +423,13 @@ class LocalSubstrate:
                     block_hash: str | None = None) -> Any:
         with self._lock:
             head = self._tick()
-            return self._query(module, storage_function, list(params or []), head)
+            return read_storage(self._state, module, storage_function, list(params or []), head)
 
     async def query_batch(self, module: str, storage_function: str, param_sets: list[list],
                           block_hash: str | None = None) -> list[Any]:
         with self._lock:
             head = self._tick()
-            return [self._query(module, storage_function, list(p), head) for p in param_sets]
+            return [read_storage(self._state, module, storage_function, list(p), head) for p in param_sets]
 
     async def map_has_entries(self, module: str, storage_function: str, params: list,
                               block_hash: str | None = None) -> bool:
@@ -466,14 +439,14 @@ class LocalSubstrate:
                         block_hash: str | None = None) -> list[tuple[Any, Any]]:
         with self._lock:
             self._tick()
-            return self._query_map(module, storage_function, list(params or []))
+            return read_storage_map(self._state, module, storage_function, list(params or []))
 
     async def runtime_call(self, api: str, method: str, params: list, block_hash: str | None = None) -> Any:
         with self._lock:
             head = self._tick()
             if api == "SubnetInfoRuntimeApi" and method == "get_metagraph":
                 s = self._state.subnets.get(int(params[0]))
-                return None if s is None else self._metagraph(s, head)
+                return None if s is None else metagraph(s, head)
             if api == "SubnetInfoRuntimeApi" and method == "get_next_epoch_start_block":
                 s = self._state.subnets.get(int(params[0]))
                 return None if s is None else s.epoch_block(s.epoch_index(head) + 1)
@@ -484,96 +457,6 @@ class LocalSubstrate:
 
     async def decode_scale(self, type_string: str, data: Any) -> Any:
         raise ChainError("the local chain has no SCALE runtime metadata")
-
-    def _query(self, module: str, item: str, params: list, head: int) -> Any:
-        if module == "Timestamp" and item == "Now":
-            return self._block_timestamp_ms(head)
-        if module != "SubtensorModule":
-            raise ChainError(f"the local chain does not model {module}.{item}")
-        if item == "NetworksAdded":
-            return int(params[0]) in self._state.subnets
-        if item == "TokenSymbol":
-            s = self._state.subnets.get(int(params[0]))
-            return None if s is None else s.symbol.encode()
-        index = int(params[0]) if params else 0
-        if item in {"LastUpdate", "Weights", "TimelockedWeightCommits"}:
-            if index >= MECHANISM_STRIDE:  # only mechanism 0 is modelled
-                return None
-        s = self._state.subnets.get(index)
-        if s is None:
-            return None  # storage of a subnet that does not exist reads as empty
-        scalar = {
-            "Tempo": s.tempo, "WeightsSetRateLimit": s.weights_rate_limit, "MaxWeightsLimit": s.max_weights_limit,
-            "MinAllowedWeights": s.min_allowed_weights, "CommitRevealWeightsEnabled": s.commit_reveal,
-            "RevealPeriodEpochs": s.reveal_period, "WeightsVersionKey": s.weights_version_key,
-            "StakeThreshold": s.weights_min_stake_rao, "MaxAllowedUids": s.max_allowed_uids,
-            "SubnetworkN": len(s.neurons), "SubnetEpochConsensus": s.consensus,
-            "NetworkRegisteredAt": s.registered_at, "SubnetOwner": s.owner_coldkey,
-            "SubnetOwnerHotkey": s.owner_hotkey,
-            "LastEpochBlock": s.last_epoch_block(head), "SubnetEpochIndex": s.epoch_index(head),
-            "BlocksSinceLastStep": head - s.last_epoch_block(head), "PendingEpochAt": 0,
-            "LastUpdate": [n.last_update for n in s.neurons],
-            "ValidatorPermit": [n.validator_permit for n in s.neurons],
-            "Active": [True for _ in s.neurons],
-        }
-        if item in scalar:
-            return scalar[item]
-        if item == "Uids":
-            return s.uid_of(str(params[1]))
-        if item == "Keys":
-            uid = int(params[1])
-            return s.neurons[uid].hotkey if 0 <= uid < len(s.neurons) else None
-        if item == "Weights":
-            row = s.weights.get(int(params[1]))
-            return None if row is None else [tuple(p) for p in row]
-        raise ChainError(f"the local chain does not model SubtensorModule.{item}")
-
-    def _query_map(self, module: str, item: str, params: list) -> list[tuple[Any, Any]]:
-        if module != "SubtensorModule":
-            raise ChainError(f"the local chain does not model {module}.{item}")
-        subnets = self._state.subnets
-        if item == "TokenSymbol":
-            return [(netuid, s.symbol.encode()) for netuid, s in sorted(subnets.items())]
-        if item == "NetworksAdded":
-            return [(netuid, True) for netuid in sorted(subnets)]
-        if item == "Tempo":
-            return [(netuid, s.tempo) for netuid, s in sorted(subnets.items())]
-        index = int(params[0]) if params else -1
-        s = subnets.get(index)
-        if s is None:
-            return []
-        if item == "Weights":
-            return [(uid, [tuple(p) for p in row]) for uid, row in sorted(s.weights.items())]
-        if item == "TimelockedWeightCommits":
-            by_epoch: dict[int, list[tuple[str, int, str, int]]] = {}
-            for c in s.commits:
-                by_epoch.setdefault(c.epoch, []).append((c.hotkey, c.commit_block, c.ciphertext, c.reveal_round))
-            return sorted(by_epoch.items())
-        if item == "Uids":
-            return [(n.hotkey, uid) for uid, n in enumerate(s.neurons)]
-        if item == "Keys":
-            return [(uid, n.hotkey) for uid, n in enumerate(s.neurons)]
-        raise ChainError(f"the local chain does not model the map SubtensorModule.{item}")
-
-    def _metagraph(self, s: Subnet, head: int) -> dict[str, Any]:
-        ns = s.neurons
-        zeros = [0 for _ in ns]
-        last_step = s.last_epoch_block(head)
-        return {
-            "netuid": s.netuid, "name": list(s.name.encode()), "symbol": list(s.symbol.encode()),
-            "identity": None, "network_registered_at": s.registered_at,
-            "owner_hotkey": s.owner_hotkey, "owner_coldkey": s.owner_coldkey,
-            "block": head, "tempo": s.tempo, "last_step": last_step, "blocks_since_last_step": head - last_step,
-            "num_uids": len(ns), "max_uids": s.max_allowed_uids,
-            "hotkeys": [n.hotkey for n in ns], "coldkeys": [n.coldkey for n in ns], "identities": [None for _ in ns],
-            "axons": [{"block": n.registered_at, "version": 1, "ip": n.ip, "port": n.port, "ip_type": n.ip_type,
-                       "protocol": 4, "placeholder1": 0, "placeholder2": 0} for n in ns],
-            "active": [True for _ in ns], "validator_permit": [n.validator_permit for n in ns],
-            "last_update": [n.last_update for n in ns], "block_at_registration": [n.registered_at for n in ns],
-            "alpha_stake": [n.stake_rao for n in ns], "tao_stake": zeros, "total_stake": [n.stake_rao for n in ns],
-            "emission": zeros, "rank": zeros, "trust": zeros, "consensus": zeros, "incentives": zeros,
-            "dividends": zeros, "pruning_score": zeros, "validator_trust": zeros,
-        }
 
     # -- bt.Substrate: calls, fees, submission ------------------------------------------------------
 
@@ -643,7 +526,9 @@ class LocalSubstrate:
             uid = set_weights(s, signer, dests, values, int(p.get("version_key", 0)), head, reveal=False)
             return [_event("WeightsSet", {"netuid": netuid, "uid": uid})]
         if function in {"commit_timelocked_mechanism_weights", "commit_timelocked_weights"}:
-            uid = self._commit(s, signer, p["commit"], int(p["reveal_round"]), head)
+            uid = commit_weights(s, signer, p["commit"], int(p["reveal_round"]), head,
+                                 self._plaintexts.get((s.netuid, signer)))
+            self._plaintexts.pop((s.netuid, signer), None)  # taken by the commit it was left for
             return [_event("TimelockedWeightsCommitted", {"netuid": netuid, "hotkey": signer,
                                                           "reveal_round": int(p["reveal_round"])})]
         if function in {"serve_axon", "serve_axon_tls"}:
