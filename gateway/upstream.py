@@ -171,22 +171,29 @@ class Upstream:
         await asyncio.gather(*self._draining, return_exceptions=True)
 
     def drain_then_release(self, resp: aiohttp.ClientResponse, within_s: float = 2.0) -> None:
-        """Read the rest of a finished answer (the chunked terminator after ``[DONE]``) so its connection
-        is reused; a miner that sends more, or too late, has the connection closed."""
-        async def drain() -> None:
-            try:
-                async with asyncio.timeout(within_s):
-                    rest = await resp.content.read(MAX_ERROR_BODY)
-                    if rest.strip() or not resp.content.at_eof():
-                        resp.close()
-                        return
-                resp.release()
-            except (TimeoutError, aiohttp.ClientError, OSError):
-                resp.close()
-
-        task = asyncio.create_task(drain())
+        """In the background, read the rest of a finished answer (the chunked terminator after ``[DONE]``) so
+        its connection is reused; a miner that sends more, or too late, has the connection closed."""
+        task = asyncio.create_task(settle(resp, within_s, content_ok=False))
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
+
+
+async def settle(resp: aiohttp.ClientResponse, within_s: float, *, content_ok: bool) -> None:
+    """Read what is left of an answer so its connection can be reused.
+
+    Released when the answer ends within ``within_s`` with at most :data:`MAX_ERROR_BODY` left (and, unless
+    ``content_ok``, nothing but whitespace: bytes after ``[DONE]`` are a miner breaking the protocol);
+    otherwise the connection is closed.
+    """
+    try:
+        async with asyncio.timeout(max(0.0, within_s)):
+            rest = await resp.content.read(MAX_ERROR_BODY)
+        if resp.content.at_eof() and (content_ok or not rest.strip()):
+            resp.release()
+            return
+    except (TimeoutError, aiohttp.ClientError, OSError):
+        pass
+    resp.close()
 
 
 class UpstreamStream:
@@ -354,7 +361,8 @@ class UpstreamStream:
             self._up.on_slots(self.lease.miner, int(advertised))
         status = resp.status
         if status != 200:
-            await self._read_refusal(resp)
+            # read a refusal's small body so the connection can be reused (a refusal is often a 429)
+            await settle(resp, self._deadline() - self._loop.time(), content_ok=True)
             reason = FailureReason.BUSY if status == 429 else FailureReason.HTTP_STATUS
             raise self._fail(reason, status=status, detail="" if status == 429 else f"HTTP {status}")
         ctype = resp.headers.get("Content-Type", "").partition(";")[0].strip().lower()
@@ -365,17 +373,6 @@ class UpstreamStream:
             raise self._fail(FailureReason.GARBAGE, status=200, detail=f"content encoding {encoding!r}")
         self._resp = resp
 
-    async def _read_refusal(self, resp: aiohttp.ClientResponse) -> None:
-        """Read a refusal's small body so the connection can be reused (a refusal is often a 429)."""
-        try:
-            async with asyncio.timeout_at(self._deadline()):
-                await resp.content.read(MAX_ERROR_BODY)
-            if resp.content.at_eof():
-                resp.release()
-                return
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            pass
-        resp.close()
 
     # -- streaming -------------------------------------------------------------------------------
 
