@@ -238,5 +238,6 @@ class Gateway:
 
 
 def _headers(scope: Scope) -> dict[str, str]:
-    """Request headers by lower-case name (the last of repeated ones), as text."""
-    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    """Request headers by name (the last of repeated ones), as text. ASGI servers send names lower-cased
+    (the adapter in :mod:`gateway.http.server` does), so they are not lowered again here."""
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
