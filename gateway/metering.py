@@ -2,7 +2,8 @@
 
 Everything the validator pays on is decided here, so it is kept apart from sockets and tested byte by
 byte: TTFT ends at the first chunk that carries content (a role-only prelude does not count);
-completion tokens are the content chunks counted here, never the miner's usage claim; a stream is
+completion tokens are counted here, never taken from the miner's usage claim: the token ids a chunk
+names (``choice.token_ids``), or one per content chunk from a miner that names none; a stream is
 complete only with ``[DONE]`` or a finish reason followed by a clean end. Whatever a miner sends that
 breaks these rules raises :class:`MeterFailure` with the :class:`~scoring.measurement.FailureReason`
 it earns: garbage (invalid SSE, JSON, UTF-8, NaN, wrong shape), overlong (more tokens than
@@ -38,7 +39,7 @@ class StreamMeter:
     """The state of one stream's measurement. ``feed`` and ``end`` raise :class:`MeterFailure`."""
 
     def __init__(self, max_tokens: int, started_at: float, *, max_line_bytes: int = 64 * 1024,
-                 max_content_chars: int = 4096) -> None:
+                 max_content_chars: int = 4096, keep_answer: bool = False) -> None:
         self.max_tokens = max_tokens
         self.started_at = started_at
         self._parser = SSEParser(max_line_bytes=max_line_bytes)
@@ -52,6 +53,11 @@ class StreamMeter:
         self.done = False  # [DONE] seen: the answer is complete
         self.pending: MeterFailure | None = None  # a failure found after valid chunks of the same read
         self._conc_area = 0.0
+        # the answer itself, for an audit: the text the client receives and the ids said to spell it
+        self.keep_answer = keep_answer
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.ids_complete = True  # every content chunk named its token ids
 
     @property
     def content_started(self) -> bool:
@@ -95,10 +101,21 @@ class StreamMeter:
             except SSEGarbage as e:
                 raise MeterFailure(FailureReason.GARBAGE, str(e)) from None
             self.last_event_at = now
-            if chunk.content:
-                if self.tokens >= self.max_tokens:
+            ids = chunk.token_ids
+            if ids:
+                if self.tokens + len(ids) > self.max_tokens:
                     raise MeterFailure(FailureReason.OVERLONG, f"more than max_tokens={self.max_tokens} tokens")
-                self.tokens += 1
+                self.tokens += len(ids)
+                if self.keep_answer:
+                    self.ids += ids
+            if chunk.content:
+                if not ids:
+                    if self.tokens >= self.max_tokens:
+                        raise MeterFailure(FailureReason.OVERLONG, f"more than max_tokens={self.max_tokens} tokens")
+                    self.tokens += 1
+                    self.ids_complete = False
+                if self.keep_answer:
+                    self.text.append(chunk.content)
                 if self.ttft_s is None:
                     self.ttft_s = now - self.started_at
                 else:

@@ -16,6 +16,9 @@ Two refinements, both measured by ``scripts/soak.py``:
 * *Zero scores last.* A miner scored 0 (dead, lying, hopeless) is chosen only when no miner with a
   positive score is eligible at any load, so a card that died leaves organic routing as soon as a
   round has scored it; probes keep measuring it and bring it back when it recovers.
+* *Quarantine is out.* A miner whose answers failed their audits (:meth:`Router.set_quarantined`)
+  is never picked for organic traffic, not even as a last resort: a user must not get an answer
+  the validator knows to be wrong. Probes still reach it (:meth:`Router.acquire_uid`).
 
 Example::
 
@@ -65,6 +68,7 @@ class MinerState:
     in_flight: int = 0
     served: int = 0
     passes: float = 0.0  # stride-scheduling pass: grows by 1/score per dispatch
+    quarantined: bool = False  # failed its audits: out of organic routing, reachable by probes only
     bucket_load: float = field(default=0.0, repr=False)  # the router's bookkeeping: the load bucket it sits in
 
     @property
@@ -260,8 +264,18 @@ class Router:
             self._bucket_in(m)
         self._reweigh()
 
+    def set_quarantined(self, hotkeys: AbstractSet[str]) -> None:
+        """Take these hotkeys out of organic routing (and put back those no longer listed)."""
+        for m in list(self._miners.values()):
+            q = m.hotkey in hotkeys
+            if q != m.quarantined:
+                self._unbucket(m)
+                m.quarantined = q
+                self._bucket_in(m)
+        self._reweigh()
+
     def _reweigh(self) -> None:
-        self._wsum = sum(self._weight(m) for m in self._miners.values()) or 1.0
+        self._wsum = sum(self._weight(m) for m in self._miners.values() if not m.quarantined) or 1.0
 
     def _weight(self, m: MinerState) -> float:
         return self._prior if m.score is None else m.score
@@ -366,6 +380,8 @@ class Router:
     # -- buckets ---------------------------------------------------------------------------------
 
     def _bucket_in(self, m: MinerState) -> None:
+        if m.quarantined:
+            return  # buckets are what pick() sees: a quarantined miner is reachable by uid only
         load = m.load
         b = self._buckets.get(load)
         if b is None:

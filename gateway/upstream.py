@@ -41,11 +41,12 @@ from typing import Any
 import aiohttp
 from loguru import logger
 
-from scoring.measurement import FailureReason, Measurement, MeasurementSink
+from scoring.measurement import Answer, FailureReason, Measurement, MeasurementSink
 
 from .http.client import MinerClient
 from .metering import MeterFailure, StreamMeter
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens
+from .protocol.sampling import SamplingParams
 from .protocol.signing import RequestSigner
 from .protocol.sse import ChunkInfo
 from .protocol.tokens import estimate_prompt_tokens
@@ -70,6 +71,7 @@ class UpstreamLimits:
     max_line_bytes: int = 64 * 1024
     max_content_chars: int = 4096  # one chunk's delta.content; a token is a few characters
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # for payloads that name no max_tokens
+    keep_answers: bool = False  # keep each complete answer (text, token ids) on its measurement, for audits
 
 
 class UpstreamError(Exception):
@@ -219,7 +221,8 @@ class UpstreamStream:
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))
         self._body = encode_body(body)
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,
-                                 max_content_chars=limits.max_content_chars)
+                                 max_content_chars=limits.max_content_chars, keep_answer=limits.keep_answers)
+        self._payload = payload
         self._resp: aiohttp.ClientResponse | None = None
         self._timer: asyncio.TimerHandle | None = None  # the one deadline timer of the streaming phase
         self._deadline_passed = False
@@ -287,6 +290,7 @@ class UpstreamStream:
             failure=failure,
             probe=self.probe,
             concurrency=meter.decode_concurrency(),
+            answer=self._answer() if failure is None and meter.keep_answer else None,
         )
         self.measurement = m
         if self._timer is not None:
@@ -304,6 +308,19 @@ class UpstreamStream:
             logger.debug("uid {} {}{}", self.uid, failure, f" ({detail})" if detail else "")
         self._up.record(m)
         return m
+
+    def _answer(self) -> Answer:
+        meter, payload = self.meter, self._payload
+        stop = payload.get("stop")
+        return Answer(
+            messages=payload.get("messages") or [],
+            sampling=SamplingParams.of(payload),
+            max_tokens=self.max_tokens,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            text="".join(meter.text),
+            token_ids=tuple(meter.ids) if meter.ids_complete and meter.ids else None,
+            finish_reason=meter.finish_reason,
+        )
 
     def _fail(self, failure: FailureReason, *, status: int | None = None, detail: str = "") -> UpstreamError:
         self._finish(failure, status=status, detail=detail)

@@ -1,13 +1,23 @@
-"""The embedded local subnet: a local chain stand-in, simulated 5090 miners, the validator, traffic.
+"""The embedded local subnet: a local chain stand-in, miners, the validator, traffic.
 
-Everything real except the chain and the GPUs: the validator is the same ``Validator`` that runs on
-finney, the chain calls go through the bittensor SDK over ``LocalSubstrate``, miners are the
-reference miner serving the simulated RTX 5090 runtime on loopback (the last one a slower card),
-and organic traffic is an HTTP client sending chat completions through the gateway.
+Everything real except the chain: the validator is the same ``Validator`` that runs on finney, the
+chain calls go through the bittensor SDK over ``LocalSubstrate``, and organic traffic is an HTTP
+client sending chat completions through the gateway. Miners are the reference miner on loopback,
+serving either
+
+* ``--local.runtime sim`` (default): the simulated RTX 5090 runtime (the last one a slower card), no
+  model, no GPU; answers are not audited (a simulated card has no model to check against); or
+* ``--local.runtime real``: Gemma 3 270M on llama.cpp on this CPU, one slot each, audited by the
+  validator's reference (the same packaged model), paid against the ``cpu-gemma270m`` speed profile.
+
+``--local.miner-url host:port`` adds miners the run did not start (a real runtime on another port or
+machine): the run reads the miner's hotkey from its ``/health`` and registers it on the local chain;
+the banner prints the validator hotkey that miner must ``--allow``.
 
 Example::
 
     python -m neurons.validator --local --local.rounds 6
+    python -m neurons.validator --local --local.runtime real --local.rounds 3
     python -m neurons.weights --state-dir ~/.tensorgate/local --netuid 1
 """
 
@@ -26,13 +36,16 @@ from loguru import logger
 
 from .chain.local import LocalChain
 from .keys import dev_keypair
+from .miner.runtimes.base import Runtime
 from .miner.runtimes.sim import PROFILES, SimulatedRuntime
 from .miner.server import start_miner
 from .miner.trust import AllowList
+from .model.packaged import MODEL_ID
 from .traffic import OrganicTraffic
 from .validator.build import build_validator
-from .validator.config import ValidatorConfig
+from .validator.config import DEFAULT_MODEL, ValidatorConfig
 from .validator.neuron import Validator
+from .validator.prompts import MIXES
 
 VALIDATOR_URI = "Alice"
 
@@ -46,12 +59,34 @@ class LocalSubnet:
     validator: Validator
     miners: list[tuple[int, str, str]] = field(default_factory=list)  # (uid, hotkey, profile)
     runners: list[web.AppRunner] = field(default_factory=list)
+    runtimes: list[Any] = field(default_factory=list)  # real runtimes to close (threads, model contexts)
     traffic: OrganicTraffic | None = None
     api_key: str = ""
 
 
+REAL_MINERS = 2  # real miners by default: with the reference, they keep this 2-core machine's cores busy
+REAL_TRAFFIC_RPS = 0.3  # a CPU miner answers in seconds; the simulated default (1.5/s) would only queue
+
+
 def local_config(cfg: ValidatorConfig) -> ValidatorConfig:
-    """Compress time for a newcomer: rounds of ``local_round_s``, weights about once a round."""
+    """Compress time for a newcomer: rounds of ``local_round_s``, weights about once a round.
+
+    In real mode, settings still at their simulated defaults move to the CPU's: the packaged model's
+    name, the ``cpu-gemma270m`` credit profile, the packaged model as the audit reference, requests
+    sized for a CPU, fewer miners and less traffic.
+    """
+    d = ValidatorConfig()
+    if cfg.local_runtime == "real":
+        cfg = replace(
+            cfg,
+            models=[MODEL_ID] if cfg.models == [DEFAULT_MODEL] else cfg.models,
+            credit_profile="cpu-gemma270m" if cfg.credit_profile == d.credit_profile else cfg.credit_profile,
+            audit_model="packaged" if cfg.audit_model == "none" else cfg.audit_model,
+            prompt_mix="cpu",
+            local_miners=REAL_MINERS if cfg.local_miners == d.local_miners else cfg.local_miners,
+            local_traffic_rps=REAL_TRAFFIC_RPS if cfg.local_traffic_rps == d.local_traffic_rps
+            else cfg.local_traffic_rps,
+        )
     blocks_per_round = max(2, int(round(cfg.local_round_s / cfg.local_block_time)))
     return replace(
         cfg,
@@ -60,6 +95,36 @@ def local_config(cfg: ValidatorConfig) -> ValidatorConfig:
         weights_interval_blocks=min(cfg.weights_interval_blocks, blocks_per_round),
         sync_interval_blocks=min(cfg.sync_interval_blocks, max(1, blocks_per_round // 2)),
     )
+
+
+async def _runtime(cfg: ValidatorConfig, i: int, rng: random.Random, subnet_runtimes: list[Any]) -> tuple[Runtime,
+                                                                                                        str, int]:
+    """The runtime of local miner ``i``: (runtime, label, slots)."""
+    if cfg.local_runtime == "real":
+        from .miner.runtimes.llama import LlamaRuntime
+        from .model.packaged import model_path
+
+        rt = LlamaRuntime(model_path(), slots=1, threads=1, model=cfg.models[0], seed=rng.getrandbits(32))
+        subnet_runtimes.append(rt)
+        await rt.start()
+        return rt, "llama.cpp gemma-3-270m (CPU)", 1
+    profile = "rtx5090-slow" if (i == cfg.local_miners - 1 and cfg.local_miners > 1) else "rtx5090"
+    return SimulatedRuntime(PROFILES[profile], rng=random.Random(rng.random())), profile, 4
+
+
+async def _external_hotkey(url: str) -> str:
+    """The hotkey an external miner serves under, from its ``/health``."""
+    base = url if "://" in url else f"http://{url}"
+    try:
+        async with aiohttp.ClientSession() as s, s.get(base.rstrip("/") + "/health",
+                                                       timeout=aiohttp.ClientTimeout(total=5)) as r:
+            body = await r.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        raise RuntimeError(f"--local.miner-url {url}: no miner answers GET /health ({e!r})") from None
+    hotkey = body.get("hotkey") if isinstance(body, dict) else None
+    if not isinstance(hotkey, str) or not hotkey:
+        raise RuntimeError(f"--local.miner-url {url}: /health names no hotkey (is it a tensorgate miner?)")
+    return hotkey
 
 
 async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> LocalSubnet:
@@ -71,31 +136,41 @@ async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -
     substrate = chain.substrate
     substrate.register(vkey.ss58_address, vkey.ss58_address, endpoint=None, validator_permit=True, stake=10_000.0)
     runners: list[web.AppRunner] = []
+    runtimes: list[Any] = []
     miners: list[tuple[int, str, str]] = []
     try:
         trust = AllowList({vkey.ss58_address})
         for i in range(cfg.local_miners):
-            profile = "rtx5090-slow" if (i == cfg.local_miners - 1 and cfg.local_miners > 1) else "rtx5090"
             mkey = dev_keypair(f"Miner{i + 1}")
-            runtime = SimulatedRuntime(PROFILES[profile], rng=random.Random(rng.random()))
-            runner, port = await start_miner(mkey, runtime, slots=4, trust=trust, host="127.0.0.1", port=0)
+            runtime, label, slots = await _runtime(cfg, i, rng, runtimes)
+            runner, port = await start_miner(mkey, runtime, slots=slots, trust=trust, host="127.0.0.1", port=0)
             runners.append(runner)
             uid = substrate.register(mkey.ss58_address, mkey.ss58_address, endpoint=f"127.0.0.1:{port}",
                                      validator_permit=False, stake=0.0)
-            miners.append((uid, mkey.ss58_address, profile))
+            miners.append((uid, mkey.ss58_address, label))
+        for url in cfg.local_miner_urls:
+            hotkey = await _external_hotkey(url)
+            endpoint = url.split("://", 1)[-1].rstrip("/")
+            uid = substrate.register(hotkey, hotkey, endpoint=endpoint, validator_permit=False, stake=0.0)
+            miners.append((uid, hotkey, f"external {endpoint}"))
         api_key = "sk-local-" + secrets.token_hex(8)
         validator = build_validator(cfg, chain, vkey, api_keys=[api_key], rng=random.Random(rng.random()))
     except BaseException:
         for r in runners:
             await r.cleanup()
+        for rt in runtimes:
+            await rt.aclose()
         await chain.close()
         raise
-    return LocalSubnet(cfg=cfg, chain=chain, validator=validator, miners=miners, runners=runners, api_key=api_key)
+    return LocalSubnet(cfg=cfg, chain=chain, validator=validator, miners=miners, runners=runners,
+                       runtimes=runtimes, api_key=api_key)
 
 
 async def stop_local_subnet(subnet: LocalSubnet) -> None:
     for r in subnet.runners:
         await r.cleanup()
+    for rt in subnet.runtimes:
+        await rt.aclose()
     await subnet.chain.close()
 
 
@@ -103,10 +178,15 @@ def _banner(subnet: LocalSubnet) -> str:
     rows = [f"  uid {uid:>3}  {hk[:12]}…  {profile}" for uid, hk, profile in subnet.miners]
     gw = subnet.validator.gateway
     port = gw.port if gw is not None else subnet.cfg.gateway_port
+    auditor = subnet.validator.auditor
+    audit = (f"audits: {auditor.rate:.0%} of organic answers and every probe, on {auditor.reference.name}"
+             if auditor is not None else "audits: off (simulated cards have no model to check against)")
     return "\n".join([
         f"local subnet up: netuid {subnet.cfg.netuid} on a local chain "
-        f"(block {subnet.cfg.local_block_time:.2f}s), round {subnet.cfg.round_s:.0f}s",
-        "miners (simulated RTX 5090 on loopback):", *rows,
+        f"(block {subnet.cfg.local_block_time:.2f}s), round {subnet.cfg.round_s:.0f}s, "
+        f"credit profile {subnet.cfg.credit_profile}",
+        "miners:", *rows, audit,
+        f"external miners: start with --allow {subnet.validator.hotkey} and pass --local.miner-url host:port",
         f"gateway: http://{subnet.cfg.gateway_host}:{port}/v1  (API key: {subnet.api_key})",
         f"try:  curl -s http://{subnet.cfg.gateway_host}:{port}/v1/chat/completions "
         f"-H 'Authorization: Bearer {subnet.api_key}' -H 'Content-Type: application/json' "
@@ -130,7 +210,7 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
             subnet.traffic = OrganicTraffic(
                 session, f"http://{subnet.cfg.gateway_host}:{v.gateway.port}", subnet.api_key,
                 model=subnet.cfg.models[0], rps=subnet.cfg.local_traffic_rps,
-                rng=random.Random(seed if seed is not None else subnet.cfg.seed),
+                rng=random.Random(seed if seed is not None else subnet.cfg.seed), mix=MIXES[subnet.cfg.prompt_mix],
             )
             traffic_task = asyncio.create_task(subnet.traffic.run(), name="organic-traffic")
             want = subnet.cfg.local_rounds

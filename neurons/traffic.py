@@ -22,7 +22,7 @@ from collections import Counter
 import aiohttp
 from loguru import logger
 
-from .validator.prompts import PromptGenerator
+from .validator.prompts import MIXES, PromptGenerator, PromptMix
 
 
 class OrganicTraffic:
@@ -36,6 +36,7 @@ class OrganicTraffic:
         rps: float,
         rng: random.Random | None = None,
         max_in_flight: int = 64,
+        mix: PromptMix = MIXES["gpu"],
     ) -> None:
         self._session = session
         self._url = base_url.rstrip("/") + "/v1/chat/completions"
@@ -43,7 +44,7 @@ class OrganicTraffic:
         self._model = model
         self._rps = rps
         self._rng = rng if rng is not None else random.Random()
-        self._prompts = PromptGenerator(random.Random(self._rng.random()))
+        self._prompts = PromptGenerator(random.Random(self._rng.random()), mix)
         self._sem = asyncio.Semaphore(max_in_flight)
         self.counts: Counter[str] = Counter()
         self.served_by: Counter[int] = Counter()

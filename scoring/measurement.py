@@ -18,9 +18,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from loguru import logger
+
+from gateway.protocol.sampling import SamplingParams
 
 
 class FailureReason(StrEnum):
@@ -39,11 +41,37 @@ class FailureReason(StrEnum):
     OVERLONG = "overlong"  # more tokens than max_tokens
     EMPTY = "empty"  # finished without any content
     CLIENT_DISCONNECT = "client_disconnect"  # not the miner's fault: recorded for accounting, excluded from credit
+    AUDIT_FAILED = "audit_failed"  # complete, but the reference says the tokens are not the model's answer
 
     @property
     def blames_miner(self) -> bool:
         """Whether this outcome costs the miner credit (a truthful 429 and a client leaving do not)."""
         return self not in (FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a miner returned for one complete request, kept so an audit can replay it on the reference.
+
+    ``text`` is exactly what the client received; ``token_ids`` the ids the miner said it produced
+    (None when any content chunk came without them). ``stop`` is the client's own stop strings.
+    """
+
+    messages: list[dict[str, Any]]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    text: str
+    token_ids: tuple[int, ...] | None
+    finish_reason: str | None
+
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def penalised(self) -> bool:
+        return self.sampling.penalised
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +99,8 @@ class Measurement:
     probe: bool = False
     concurrency: float | None = None
     at: float = field(default_factory=time.time)
+    answer: Answer | None = field(default=None, repr=False, compare=False)  # complete answers only
+    audited: bool = False  # teacher-forced on the reference (passed, or failed with AUDIT_FAILED)
 
     @property
     def decode_concurrency(self) -> float:

@@ -48,6 +48,7 @@ class MinerRound:
     credit_sum: float = 0.0
     probes: int = 0
     organic: int = 0
+    audited: int = 0  # answers teacher-forced on the reference (failed ones also count in failures)
     ttft_samples: list[float] = field(default_factory=list)  # successful requests only
     failures: Counter[str] = field(default_factory=Counter)
 
@@ -83,6 +84,8 @@ class RoundAccumulator:
             row.probes += 1
         else:
             row.organic += 1
+        if m.audited:
+            row.audited += 1
         if not m.ok:
             row.failures[m.failure or "unknown"] += 1
         credit = request_credit(m, self.cfg)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from loguru import logger
@@ -62,6 +63,11 @@ class MinerReport:
     failures: dict[str, int] = field(default_factory=dict)
     probes: int = 0
     organic: int = 0
+    audited: int = 0
+
+    @property
+    def audit_passed(self) -> int:
+        return self.audited - self.failures.get("audit_failed", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +84,23 @@ class RoundReport:
     def by_hotkey(self) -> dict[str, MinerReport]:
         return {r.hotkey: r for r in self.rows}
 
-    def format_table(self, weights: Mapping[int, float] | None = None) -> str:
-        """A fixed-width table, one miner per line, for the per-round log."""
+    def format_table(self, weights: Mapping[int, float] | None = None,
+                     quarantined: AbstractSet[str] = frozenset()) -> str:
+        """A fixed-width table, one miner per line, for the per-round log.
+
+        ``audit`` is passed/audited answers this round; ``Q`` marks a quarantined miner.
+        """
         w = weights or {}
         head = f"{'uid':>5} {'hotkey':<12} {'req':>5} {'meas':>5} {'ttft50':>7} {'ttft95':>7} " \
-               f"{'credit':>6} {'settled':>7} {'weight':>6}  failures"
+               f"{'credit':>6} {'settled':>7} {'weight':>6} {'audit':>7}  failures"
         lines = [f"round {self.index}: {len(self.rows)} miners", head]
         for r in sorted(self.rows, key=lambda r: (r.uid, r.hotkey)):
             fails = ",".join(f"{k}={v}" for k, v in sorted(r.failures.items())) or "-"
             weight = f"{w[r.uid]:6.3f}" if r.uid in w else f"{'-':>6}"
+            audit = f"{r.audit_passed}/{r.audited}" + ("Q" if r.hotkey in quarantined else "")
             lines.append(
                 f"{r.uid:>5} {_short(r.hotkey):<12} {r.requests:>5} {r.measured:>5} {_secs(r.ttft_p50):>7} "
-                f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {weight}  {fails}"
+                f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {weight} {audit:>7}  {fails}"
             )
         if self.dropped:
             lines.append(f"({self.dropped} measurements could not be recorded)")
@@ -191,7 +202,7 @@ class Scorer:
                 continue
             p50, p95 = row.ttft_p50, row.ttft_p95
             rows.append(MinerReport(uid, hk, row.requests, row.measured, p50, p95, row.score, settled[hk],
-                                    dict(row.failures), row.probes, row.organic))
+                                    dict(row.failures), row.probes, row.organic, row.audited))
             stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
                                       dict(row.failures)))
         saved = (StoredRound(self._next_index, ended_at, stored), dict(self._routing), dict(self._uids))
@@ -208,9 +219,12 @@ class Scorer:
     def settled(self) -> dict[str, float]:
         return self.settlement.settled()
 
-    def weights(self, hotkey_to_uid: Mapping[str, int]) -> dict[int, float]:
-        """``{uid: weight}`` for the current metagraph; empty (with a logged reason) when nothing is payable."""
-        settled = self.settled()
+    def weights(self, hotkey_to_uid: Mapping[str, int], exclude: AbstractSet[str] = frozenset()) -> dict[int, float]:
+        """``{uid: weight}`` for the current metagraph; empty (with a logged reason) when nothing is payable.
+
+        ``exclude``: hotkeys paid 0 whatever they settled at (quarantined by their audits).
+        """
+        settled = {hk: (0.0 if hk in exclude else s) for hk, s in self.settled().items()}
         w = compute_weights(settled, hotkey_to_uid)
         if not w:
             logger.debug("no weights: {}", why_empty(settled, hotkey_to_uid))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from loguru import logger
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_FILENAME = "scoring.sqlite"
 
 _SCHEMA = """
@@ -62,7 +62,36 @@ CREATE TABLE meta (
     value TEXT NOT NULL
 );
 """
-_TABLES = frozenset({"rounds", "round_miners", "routing", "meta"})
+# Schema 2: audit outcomes (the strike book itself lives in meta, as JSON).
+_SCHEMA_2 = """
+CREATE TABLE audits (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    hotkey TEXT NOT NULL,
+    uid INTEGER NOT NULL,
+    probe INTEGER NOT NULL,
+    passed INTEGER NOT NULL,
+    failure TEXT,
+    detail TEXT NOT NULL,
+    tokens INTEGER NOT NULL
+);
+CREATE INDEX audits_hotkey ON audits (hotkey, at);
+"""
+_TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits"})
+
+
+@dataclass(frozen=True, slots=True)
+class StoredAudit:
+    """One audit outcome as persisted (``failure`` None when it passed)."""
+
+    at: float
+    hotkey: str
+    uid: int
+    probe: bool
+    passed: bool
+    failure: str | None
+    detail: str
+    tokens: int
 
 
 class StateError(Exception):
@@ -143,13 +172,14 @@ class ScoreStore:
     in it). ``keep_rounds`` bounds the history kept on disk; only the last window is ever loaded.
     """
 
-    def __init__(self, path: str | Path, *, keep_rounds: int = 2000) -> None:
+    def __init__(self, path: str | Path, *, keep_rounds: int = 2000, keep_audits: int = 100_000) -> None:
         p = Path(path).expanduser()
         if p.is_dir():
             p = p / DEFAULT_FILENAME
         p.parent.mkdir(parents=True, exist_ok=True)
         self.path = p
         self.keep_rounds = max(1, keep_rounds)
+        self.keep_audits = max(1, keep_audits)
         self._conn = self._open()
 
     # -- opening ---------------------------------------------------------------------------------
@@ -186,9 +216,14 @@ class ScoreStore:
                     self.path, f"an SQLite file with unknown tables {sorted(tables)} and no tensorgate schema"
                 )
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA + f"PRAGMA user_version = {SCHEMA_VERSION};")
+                conn.executescript("BEGIN;" + _SCHEMA + _SCHEMA_2 + f"PRAGMA user_version = {SCHEMA_VERSION};")
             logger.info("scoring state: created {} (schema {})", self.path, SCHEMA_VERSION)
             return
+        if version == 1:
+            with self._tx(conn):
+                conn.executescript("BEGIN;" + _SCHEMA_2 + "PRAGMA user_version = 2;")
+            tables |= {"audits"}
+            logger.info("scoring state: {} migrated from schema 1 to 2 (audit outcomes)", self.path)
         missing = _TABLES - tables
         if missing:
             raise CorruptStateError(self.path, f"schema {version} but tables {sorted(missing)} are missing")
@@ -294,6 +329,40 @@ class ScoreStore:
             scores = {str(hk): float(s) for hk, s in c.execute("SELECT hotkey, score FROM routing")}
         at = self._get_meta("routing_at")
         return scores, (None if at is None else float(at))
+
+    # -- audits ----------------------------------------------------------------------------------
+
+    def save_audits(self, audits: list[StoredAudit], strikes: Mapping[str, object]) -> None:
+        """Append audit outcomes and replace the strike book, atomically; keeps the last ``keep_audits``."""
+        with self._tx(begin=True) as c:
+            c.executemany(
+                "INSERT INTO audits (at, hotkey, uid, probe, passed, failure, detail, tokens) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                [(float(a.at), a.hotkey, int(a.uid), int(a.probe), int(a.passed), a.failure, a.detail[:500],
+                  int(a.tokens)) for a in audits],
+            )
+            self._set_meta(c, "strikes", json.dumps(strikes, sort_keys=True))
+            c.execute("DELETE FROM audits WHERE id <= (SELECT MAX(id) FROM audits) - ?", (self.keep_audits,))
+
+    def load_strikes(self) -> dict[str, object]:
+        """The strike book saved last (empty when none was)."""
+        raw = self._get_meta("strikes")
+        if raw is None:
+            return {}
+        with self._reading():
+            book = json.loads(raw)
+            if not isinstance(book, dict):
+                raise ValueError("the strike book is not a mapping")
+            return book
+
+    def recent_audits(self, limit: int, hotkey: str | None = None) -> list[StoredAudit]:
+        """The last ``limit`` audit outcomes (of one hotkey, or all), oldest first."""
+        where, args = ("WHERE hotkey = ? ", (hotkey, limit)) if hotkey else ("", (limit,))
+        with self._reading() as c:
+            rows = c.execute("SELECT at, hotkey, uid, probe, passed, failure, detail, tokens FROM audits "
+                             f"{where}ORDER BY id DESC LIMIT ?", args).fetchall()
+        return [StoredAudit(float(r[0]), str(r[1]), int(r[2]), bool(r[3]), bool(r[4]),
+                            None if r[5] is None else str(r[5]), str(r[6]), int(r[7])) for r in reversed(rows)]
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -62,14 +62,15 @@ class ChatRequest:
 
 _LEADING = ("model", "messages")
 _SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "stop", "seed")
-_FORCED = ("max_tokens", "max_completion_tokens", "stream", "stream_options")
+_FORCED = ("max_tokens", "max_completion_tokens", "stream", "stream_options", "return_token_ids")
 
 
 def miner_body(payload: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """The one miner-bound body: fixed key order, ``max_tokens`` explicit, always streamed with usage.
+    """The one miner-bound body: fixed key order, ``max_tokens`` explicit, always streamed with usage,
+    always asking for the token ids of the answer (``return_token_ids``, as vLLM names it).
 
     Probes and organic requests both pass through here, so nothing in a body's shape tells a miner
-    which one it is serving.
+    which one it is serving, nor which answer will be audited: every answer names its tokens.
     """
     body: dict[str, Any] = {k: payload[k] for k in _LEADING if k in payload}
     body["max_tokens"] = max_tokens
@@ -78,6 +79,7 @@ def miner_body(payload: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     body.update((k, payload[k]) for k in sorted(payload) if k not in known)
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
+    body["return_token_ids"] = True
     return body
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
@@ -126,6 +127,7 @@ class ChunkInfo:
     content: str
     finish_reason: str | None
     usage: dict[str, int] | None
+    token_ids: tuple[int, ...] | None = None  # the ids the miner says spell ``content`` (vLLM's return_token_ids)
 
 
 def _reject_constant(name: str) -> float:
@@ -154,6 +156,18 @@ def loads_strict(text: str) -> Any:
 
 
 _FINISH = {"stop", "length", "content_filter", "tool_calls", "function_call"}
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _token_ids(value: Any, limit: int) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > limit:
+        raise SSEGarbage(f"choice.token_ids is not a list of at most {limit} ids")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise SSEGarbage("choice.token_ids holds something other than token ids")
+    return tuple(value)
 
 
 def _usage(value: Any) -> dict[str, int] | None:
@@ -209,7 +223,8 @@ def parse_chunk(data: str, max_content_chars: int = 4096) -> ChunkInfo:
     finish = choice.get("finish_reason")
     if finish is not None and finish not in _FINISH:
         raise SSEGarbage("unknown finish_reason")
-    return ChunkInfo(role=role, content=content, finish_reason=finish, usage=usage)
+    ids = _token_ids(choice.get("token_ids"), max_content_chars)
+    return ChunkInfo(role=role, content=content, finish_reason=finish, usage=usage, token_ids=ids)
 
 
 # Characters that end or escape a JSON string (or are not allowed in one): a string body free of
@@ -232,15 +247,20 @@ class ChunkDecoder:
     * a probe parse (the template around a sentinel) proved this token is the ``delta.content`` that
       wins (not a key, not a duplicate, not another field), and the template passed every other check.
 
+    Chunks that also carry ``token_ids`` get a template with a second hole, ``prefix + body + mid +
+    ids + tail``, where ``ids`` is digits and commas only (numbers lex alike whatever their value) and
+    a probe with sentinel ids proved the hole is ``choice.token_ids``.
+
     Anything else (role, finish, usage, escapes, new fields, another id) takes the full parse.
     """
 
-    __slots__ = ("_max", "_prefix", "_suffix", "_plen", "_slen", "_learns")
+    __slots__ = ("_max", "_prefix", "_suffix", "_mid", "_plen", "_slen", "_learns")
 
     def __init__(self, max_content_chars: int = 4096, max_learns: int = 4) -> None:
         self._max = max_content_chars
         self._prefix = ""
-        self._suffix = ""
+        self._suffix = ""  # after the content (one hole) or after the ids (two holes)
+        self._mid: str | None = None  # between the content and the ids: a two-hole template
         self._plen = -1  # no template yet
         self._slen = 0
         self._learns = max_learns
@@ -253,17 +273,28 @@ class ChunkDecoder:
         plen = self._plen
         if plen >= 0 and data.startswith(self._prefix) and data.endswith(self._suffix):
             end = len(data) - self._slen
-            if end - plen <= self._max and end >= plen:
-                body = data[plen:end]
-                if _NOT_PLAIN.search(body) is None:
-                    return ChunkInfo(None, body, None, None)
+            mid = self._mid
+            if mid is None:
+                if end - plen <= self._max and end >= plen:
+                    body = data[plen:end]
+                    if _NOT_PLAIN.search(body) is None:
+                        return ChunkInfo(None, body, None, None)
+            else:
+                q = data.find('"', plen, end)
+                if 0 <= q - plen <= self._max and data.startswith(mid, q):
+                    body = data[plen:q]
+                    digits = data[q + len(mid):end]
+                    if _NOT_PLAIN.search(body) is None and _ID_LIST.fullmatch(digits) is not None:
+                        ids = tuple(map(int, digits.split(",")))
+                        if len(ids) <= self._max and max(ids) <= MAX_TOKEN_ID:
+                            return ChunkInfo(None, body, None, None, ids)
         chunk = parse_chunk(data, self._max)
         if (self._learns > 0 and chunk.content and chunk.role is None and chunk.finish_reason is None
                 and chunk.usage is None):
-            self._learn(data, chunk.content)
+            self._learn(data, chunk.content, chunk.token_ids)
         return chunk
 
-    def _learn(self, data: str, content: str) -> None:
+    def _learn(self, data: str, content: str, ids: tuple[int, ...] | None) -> None:
         self._learns -= 1
         if _NOT_PLAIN.search(content) is not None or _SENTINEL in data:
             return  # escaped content: its raw text is not the value; try a later chunk
@@ -272,15 +303,37 @@ class ChunkDecoder:
         while i >= 0:
             prefix, suffix = data[: i + 1], data[i + 1 + len(content):]
             if "\\" not in prefix and "\\" not in suffix and prefix.count('"') % 2 == 1:
-                try:
-                    probe = parse_chunk(prefix + _SENTINEL + suffix, len(_SENTINEL))
-                except SSEGarbage:
-                    probe = None
-                if probe == ChunkInfo(None, _SENTINEL, None, None):
-                    self._prefix, self._suffix = prefix, suffix
-                    self._plen, self._slen = len(prefix), len(suffix)
+                if ids is None:
+                    if _probe(prefix + _SENTINEL + suffix) == ChunkInfo(None, _SENTINEL, None, None):
+                        self._prefix, self._suffix, self._mid = prefix, suffix, None
+                        self._plen, self._slen = len(prefix), len(suffix)
+                        return
+                elif ids and self._learn_ids(prefix, suffix, ids):
                     return
             i = data.find(lit, i + 1)
+
+    def _learn_ids(self, prefix: str, suffix: str, ids: tuple[int, ...]) -> bool:
+        digits = ",".join(map(str, ids))
+        j = suffix.find("[" + digits + "]")
+        while j >= 0:
+            mid, tail = suffix[: j + 1], suffix[j + 1 + len(digits):]
+            if mid.startswith('"') and _probe(prefix + _SENTINEL + mid + "7,7" + tail) == ChunkInfo(
+                    None, _SENTINEL, None, None, (7, 7)):
+                self._prefix, self._mid, self._suffix = prefix, mid, tail
+                self._plen, self._slen = len(prefix), len(tail)
+                return True
+            j = suffix.find("[" + digits + "]", j + 1)
+        return False
+
+
+_ID_LIST = re.compile(r"\d{1,10}(?:,\d{1,10})*")
+
+
+def _probe(data: str) -> ChunkInfo | None:
+    try:
+        return parse_chunk(data, len(_SENTINEL))
+    except SSEGarbage:
+        return None
 
 
 def frame(obj: Any) -> bytes:
@@ -295,12 +348,13 @@ class ChunkFramer:
     (the first chunk, role, finish) goes through :meth:`chunk` and :func:`frame`.
     """
 
-    __slots__ = ("id", "created", "model", "_head", "_tail")
+    __slots__ = ("id", "created", "model", "_head", "_tail", "_with_ids")
 
     def __init__(self, cid: str, created: int, model: str) -> None:
         self.id = cid
         self.created = created
         self.model = model
+        self._with_ids: tuple[bytes, bytes, bytes] | None = None
         probe = frame(self.chunk({"content": _SENTINEL}, None))
         lit = encode_basestring_ascii(_SENTINEL).encode()
         i = probe.rindex(lit)  # the delta is the last string-valued field
@@ -315,6 +369,22 @@ class ChunkFramer:
 
     def content(self, text: str) -> bytes:
         return self._head + encode_basestring_ascii(text).encode() + self._tail
+
+    def tokens(self, text: str, ids: Sequence[int]) -> bytes:
+        """A content chunk that names the token ids spelling ``text`` (``choice.token_ids``, as vLLM's
+        ``return_token_ids``): what a miner sends a validator so its answers can be audited.
+        Byte-for-byte ``frame(chunk(delta={"content": text}))`` with ``"token_ids": ids`` on the choice."""
+        parts = self._with_ids
+        if parts is None:
+            obj = self.chunk({"content": _SENTINEL}, None)
+            obj["choices"][0]["token_ids"] = [7, 7]
+            probe = frame(obj)
+            lit = encode_basestring_ascii(_SENTINEL).encode()
+            i = probe.rindex(lit)
+            j = probe.rindex(b"[7,7]")
+            parts = self._with_ids = (probe[:i], probe[i + len(lit):j + 1], probe[j + 4:])
+        head, mid, tail = parts
+        return head + encode_basestring_ascii(text).encode() + mid + ",".join(map(str, ids)).encode() + tail
 
     def usage(self, usage: dict[str, int]) -> bytes:
         """The closing usage chunk (``choices`` empty), as OpenAI sends it with ``include_usage``."""

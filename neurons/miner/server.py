@@ -71,8 +71,12 @@ class MinerServer:
         return app
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "slots": self.slots, "busy": self.busy,
-                                  "runtime": self.runtime.name})
+        """``ok`` only while the runtime can serve: 503 with its reason otherwise (a load balancer reads the
+        status). The hotkey is public (it is on chain with the axon); a local subnet registers by it."""
+        h = self.runtime.health()
+        return web.json_response({"status": "ok" if h.ok else "down", "hotkey": self.hotkey, "slots": self.slots,
+                                  "busy": self.busy, "runtime": self.runtime.name, "runtime_state": h.detail},
+                                 status=200 if h.ok else 503)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > self.max_body_bytes:

@@ -22,22 +22,28 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gateway.app import Gateway, GatewayConfig
 from gateway.http.client import MinerClient
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Router
-from gateway.upstream import Upstream, UpstreamTimeouts
+from gateway.upstream import Upstream, UpstreamLimits, UpstreamTimeouts
+from scoring.audit import AuditBands, StrikeBook
 from scoring.credit import CreditConfig
 from scoring.measurement import MeasurementQueue, MeasurementSink
+from scoring.profiles import load_profile
 from scoring.scorer import Scorer
 
 from ..chain.base import Chain
+from ..model.packaged import ModelUnavailable, model_path
+from .auditor import Auditor
 from .config import ValidatorConfig
 from .neuron import Validator
 from .probes import ProbeRunner
-from .prompts import PromptGenerator
+from .prompts import MIXES, PromptGenerator
+from .reference import LlamaReference, Reference
 
 
 @dataclass
@@ -54,6 +60,7 @@ class ValidatorParts:
     scorer: Scorer
     prompts: PromptGenerator
     probes: ProbeRunner
+    auditor: Auditor | None = None  # None: no reference configured, answers are paid unaudited
 
     async def aclose(self) -> None:
         """Stop serving and drop miner connections (the chain and the store are the validator's)."""
@@ -61,6 +68,8 @@ class ValidatorParts:
         await self.gateway.stop()
         await self.upstream.aclose()
         await self.client.close()
+        if self.auditor is not None:
+            await self.auditor.reference.aclose()
 
 
 def build_parts(
@@ -73,28 +82,52 @@ def build_parts(
     router: Router | None = None,
     sink: MeasurementSink | None = None,
     timeouts: UpstreamTimeouts | None = None,
+    reference: Reference | None = None,
+    bands: AuditBands | None = None,
     **gateway_options: Any,
 ) -> ValidatorParts:
-    """Wire router -> upstream -> gateway, the scorer and the probes from ``cfg``.
+    """Wire router -> upstream -> gateway, the scorer, the probes and the auditor from ``cfg``.
 
     ``sink`` replaces the measurement queue as the upstream's sink (the soak wraps the scorer to
-    rescale time); ``gateway_options`` go to :meth:`GatewayConfig.from_sources` (``env``, ``keys``,
-    ``max_body_bytes``, ``freeze_heap``, ...).
+    rescale time); ``reference`` replaces the one ``cfg.audit_model`` names (tests); ``credit``
+    replaces ``cfg.credit_profile``; ``gateway_options`` go to :meth:`GatewayConfig.from_sources`
+    (``env``, ``keys``, ``max_body_bytes``, ``freeze_heap``, ...).
     """
     seed_rng = rng if rng is not None else random.Random(cfg.seed)
     router = router if router is not None else Router(rng=random.Random(seed_rng.random()))
     client = MinerClient()
     measurements = MeasurementQueue()
-    upstream = Upstream(client, RequestSigner(keypair), sink if sink is not None else measurements, timeouts=timeouts)
+    if reference is None and cfg.audit_model != "none":
+        reference = _reference(cfg)
+    limits = UpstreamLimits(keep_answers=reference is not None)
+    upstream = Upstream(client, RequestSigner(keypair), sink if sink is not None else measurements,
+                        timeouts=timeouts, limits=limits)
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
     gateway_options.setdefault("keys_file", cfg.api_keys_file)
     gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
                                         keys=api_keys, max_retries=cfg.max_retries, **gateway_options)
     gateway = Gateway(gw_cfg, router, upstream)
-    scorer = Scorer(credit or CreditConfig(), window=cfg.settlement_rounds, restore_max_age_s=cfg.restore_max_age_s)
-    prompts = PromptGenerator(random.Random(seed_rng.random()))
+    scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
+                    restore_max_age_s=cfg.restore_max_age_s)
+    prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix])
     probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()))
-    return ValidatorParts(cfg, keypair, router, client, measurements, upstream, gateway, scorer, prompts, probes)
+    auditor = None
+    if reference is not None:  # sampled with the system RNG: a seeded run must not make audits predictable
+        auditor = Auditor(reference, bands or AuditBands(), StrikeBook(), rate=cfg.audit_rate,
+                          max_queue=cfg.audit_queue)
+    return ValidatorParts(cfg, keypair, router, client, measurements, upstream, gateway, scorer, prompts, probes,
+                          auditor)
+
+
+def _reference(cfg: ValidatorConfig) -> Reference:
+    """The reference ``cfg.audit_model`` names: the packaged model, or a GGUF file of the subnet's model."""
+    if cfg.audit_model == "packaged":
+        path = model_path()
+    else:
+        path = Path(cfg.audit_model).expanduser()
+        if not path.is_file():
+            raise ModelUnavailable(f"--audit.model {cfg.audit_model}: no such file")
+    return LlamaReference(path, n_ctx=cfg.audit_context, threads=cfg.audit_threads)
 
 
 def build_validator(cfg: ValidatorConfig, chain: Chain, keypair: Any, **kwargs: Any) -> Validator:

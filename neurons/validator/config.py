@@ -41,6 +41,14 @@ class ValidatorConfig:
     min_validator_stake: float = DEFAULT_MIN_VALIDATOR_STAKE
     restore_max_age_s: float = 3600.0
     max_retries: int = 2
+    prompt_mix: str = "gpu"  # sizes of probe (and local traffic) requests: "gpu" or "cpu" (neurons.validator.prompts)
+    credit_profile: str = "rtx5090"  # the card whose speed earns full credit (a name, or a calibrated JSON file)
+    # Verified inference: the reference that audits answers ("none", "packaged", or a GGUF file path).
+    audit_model: str = "none"
+    audit_rate: float = 0.1
+    audit_queue: int = 256
+    audit_threads: int = 1
+    audit_context: int = 4096
     log_level: str = "INFO"
     seed: int | None = None
     # Embedded local subnet (the README's main job).
@@ -50,6 +58,8 @@ class ValidatorConfig:
     local_round_s: float = 20.0
     local_block_time: float = 1.0
     local_traffic_rps: float = 1.5
+    local_runtime: str = "sim"  # "sim": simulated 5090s; "real": Gemma 3 270M on llama.cpp (CPU), audited
+    local_miner_urls: list[str] = field(default_factory=list)  # external miners (host:port) to add to the chain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +111,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a permit holder with this much stake (or any validator trust) is a validator, not a miner")
     sc.add_argument("--restore.max-age", dest="restore_max_age_s", type=float, default=d.restore_max_age_s,
                     help="seconds within which saved credits make miners routable at once after a restart")
+    sc.add_argument("--probes.mix", dest="prompt_mix", choices=("gpu", "cpu"), default=d.prompt_mix,
+                    help="request sizes of probes: gpu (up to 3.5k-token prompts, 512-token answers) or cpu")
+    sc.add_argument("--credit.profile", dest="credit_profile", default=d.credit_profile,
+                    help="speed bar for full credit: rtx5090, cpu-gemma270m, or a JSON file written by "
+                         "'python -m scripts.calibrate'")
+    au = p.add_argument_group("verified inference (audits)")
+    au.add_argument("--audit.model", dest="audit_model", default=d.audit_model,
+                    help="reference model that audits answers: none | packaged (Gemma 3 270M from '.[real]') | "
+                         "path to a GGUF file of the subnet's model")
+    au.add_argument("--audit.rate", dest="audit_rate", type=float, default=d.audit_rate,
+                    help="share of organic answers audited (probes are always audited)")
+    au.add_argument("--audit.queue", dest="audit_queue", type=int, default=d.audit_queue,
+                    help="answers waiting for the reference at most; beyond it sampled answers are paid unaudited "
+                         "(counted)")
+    au.add_argument("--audit.threads", dest="audit_threads", type=int, default=d.audit_threads,
+                    help="CPU threads of the reference")
+    au.add_argument("--audit.context", dest="audit_context", type=int, default=d.audit_context,
+                    help="reference context in tokens (longer answers are not audited)")
     lo = p.add_argument_group("embedded local subnet")
     lo.add_argument("--local", action="store_true",
                     help="run a local chain stand-in, simulated 5090 miners and traffic (no chain, no GPU)")
@@ -114,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds per block of the local chain")
     lo.add_argument("--local.traffic-rps", dest="local_traffic_rps", type=float, default=d.local_traffic_rps,
                     help="organic requests per second sent through the gateway in local mode")
+    lo.add_argument("--local.runtime", dest="local_runtime", choices=("sim", "real"), default=d.local_runtime,
+                    help="sim: simulated RTX 5090s; real: one miner runs Gemma 3 270M on llama.cpp on this CPU "
+                         "(needs '.[real]'), audited by the validator's reference")
+    lo.add_argument("--local.miner-url", dest="local_miner_urls", action="append", default=[],
+                    help="register an external miner (host:port) on the local chain (repeatable); the banner "
+                         "prints the validator hotkey it must --allow")
     p.add_argument("--seed", type=int, default=None, help="seed the router, probes and traffic (reproducible runs)")
     p.add_argument("--log-level", dest="log_level", default=d.log_level, help="DEBUG | INFO | WARNING")
     return p

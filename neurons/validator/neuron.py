@@ -33,7 +33,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from loguru import logger
 
 from gateway.router import Candidate
-from scoring.store import ScoreStore
+from scoring.audit import StrikeBook
+from scoring.store import ScoreStore, StoredAudit
+from scoring.weights import why_empty
 
 from ..chain.base import Chain, NeuronInfo
 from ..supervise import every, supervise
@@ -79,6 +81,7 @@ class Validator:
         self.upstream = parts.upstream
         self.gateway = parts.gateway
         self.scorer = parts.scorer
+        self.auditor = parts.auditor
         self.store: ScoreStore | None = None  # opened in start()
         self.hotkey_to_uid: dict[str, int] = {}
         self.my_uid: int | None = None
@@ -107,12 +110,29 @@ class Validator:
         self.store = await self._io(ScoreStore, self.cfg.state_dir / "validator.sqlite")
         await self._io(self.scorer.restore, self.store)
         self._last_weights_block = await self._io(self.store.last_weights_block)
+        if self.auditor is not None:
+            saved = await self._io(self.store.load_strikes)
+            try:
+                book = StrikeBook.from_json(self.auditor.book.policy, saved)
+            except ValueError as e:
+                raise RuntimeError(f"{self.store.path}: {e}; move the file aside to start over") from e
+            self.auditor.book = book
+            if book.quarantined():
+                logger.info("{} miners still quarantined from earlier audits", len(book.quarantined()))
+
+    def quarantined(self) -> set[str]:
+        """Hotkeys out of routing and paid 0 because their answers failed audits."""
+        return self.auditor.book.quarantined() if self.auditor is not None else set()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Open the state, sync once (restored credits reach the router), open the gateway, start the loops."""
         await self.open_state()
+        if self.auditor is not None:
+            await self.auditor.reference.start()  # loads the model (a second for the packaged one)
+            logger.info("auditing {:.0%} of organic answers and every probe on {}", self.auditor.rate,
+                        self.auditor.reference.name)
         await self.sync_metagraph()
         if self.scorer.restored:
             logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
@@ -130,6 +150,8 @@ class Validator:
             supervise("weights", lambda: every(block_s, self.maybe_set_weights, first_delay_s=block_s),
                       restarts=self.restarts),
         ]
+        if self.auditor is not None:
+            self._tasks.append(supervise("audits", self.auditor.run, restarts=self.restarts))
         logger.info("validator {} (uid {}) on netuid {} via {}; gateway on http://{}:{}", self.hotkey,
                     self.my_uid, self.chain.netuid, self.cfg.network, self.cfg.gateway_host, self.gateway.port)
 
@@ -154,11 +176,21 @@ class Validator:
         self.router.sync(cands)
         # A UID whose hotkey changed starts from nothing: scores are keyed by hotkey.
         self.router.set_scores(self.scorer.routing_scores())
+        self.router.set_quarantined(self.quarantined())
         logger.debug("metagraph: {} neurons, {} routable miners", len(neurons), len(cands))
 
     async def _drain(self) -> None:
+        """Measurements into the scorer; those the audit samples wait for their verdict first."""
+        auditor = self.auditor
         for m in self.parts.measurements.drain():
-            self.scorer.record(m)
+            if auditor is None or not auditor.take(m):
+                self.scorer.record(m)
+        if auditor is not None:
+            for m in auditor.ready():
+                self.scorer.record(m)
+            if auditor.quarantine_changed:
+                auditor.quarantine_changed = False
+                self.router.set_quarantined(self.quarantined())
 
     async def _rounds_forever(self) -> None:
         while True:
@@ -170,8 +202,14 @@ class Validator:
         await self._drain()
         report = self.scorer.close_round(time.time())
         self.router.set_scores(self.scorer.routing_scores())
-        weights = self.scorer.weights(self.hotkey_to_uid)
-        table = report.format_table(weights=weights)
+        quarantined = self.quarantined()
+        weights = self.scorer.weights(self.hotkey_to_uid, exclude=quarantined)
+        table = report.format_table(weights=weights, quarantined=quarantined)
+        if self.auditor is not None:
+            c = self.auditor.counts
+            table += (f"\naudits: {c['passed']} passed, {c['failed']} failed, {c['dropped']} dropped (queue full), "
+                      f"{c['unauditable']} too long, {c['errors']} reference errors; backlog {self.auditor.backlog}; "
+                      f"quarantined: {len(quarantined)}")
         self.rounds_closed += 1
         entry = RoundLog(index=self.rounds_closed, table=table, weights=weights)
         self.recent_rounds.append(entry)
@@ -181,7 +219,21 @@ class Validator:
                 await self._io(self.store.save_round, *report.saved)
             except Exception as e:  # keep scoring in memory; the next round saves its own
                 logger.error("scoring state: could not save round {} to {}: {}", report.index, self.store.path, e)
+        await self._save_audits()
         return entry
+
+    async def _save_audits(self) -> None:
+        """Append the round's audit outcomes and the strike book to the state database."""
+        if self.auditor is None or self.store is None:
+            return
+        outcomes = [StoredAudit(o.at, o.hotkey, o.uid, o.probe, o.passed, o.failure, o.detail, o.tokens)
+                    for o in self.auditor.outcomes]
+        self.auditor.outcomes.clear()
+        try:
+            await self._io(self.store.save_audits, outcomes, self.auditor.book.to_json())
+        except Exception as e:
+            logger.error("scoring state: could not save {} audit outcomes to {}: {}", len(outcomes),
+                         self.store.path, e)
 
     async def maybe_set_weights(self) -> None:
         """Set weights when the interval has passed and the chain's rate limit allows; never fatal."""
@@ -199,9 +251,11 @@ class Validator:
         since = await self.chain.blocks_since_last_update(self.my_uid)
         if since < params.weights_rate_limit:
             return
-        weights = self.scorer.weights(self.hotkey_to_uid)
+        quarantined = self.quarantined()
+        weights = self.scorer.weights(self.hotkey_to_uid, exclude=quarantined)
         if not weights:
-            logger.info("no miner has a settled score yet; not setting weights")
+            settled = {hk: (0.0 if hk in quarantined else s) for hk, s in self.scorer.settled().items()}
+            logger.info("not setting weights: {}", why_empty(settled, self.hotkey_to_uid))
             self._last_weights_block = block
             return
         if self.cfg.weights_dry_run:

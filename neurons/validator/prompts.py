@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 _TOPICS = (
@@ -41,9 +42,30 @@ _FILLER = (
     "Several customers asked for clearer invoices, and the support team proposed a new template. "
     "Engineering flagged two outages caused by an expired certificate and a misconfigured load balancer. "
 )
-# (probability, (min, max) approximate prompt tokens) — most prompts short, a tail of long documents.
-_LENGTH_MIX = ((0.45, (8, 60)), (0.30, (60, 400)), (0.18, (400, 1500)), (0.07, (1500, 3500)))
-_MAX_TOKENS = (16, 32, 64, 128, 128, 256, 256, 384, 512)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptMix:
+    """Sizes and sampling of generated requests, fitted to the hardware the subnet serves on.
+
+    ``lengths``: (probability, (min, max) approximate prompt tokens); ``greedy_share``: requests sent
+    with temperature 0 (the rest draw it from ``temperature``).
+    """
+
+    lengths: tuple[tuple[float, tuple[int, int]], ...]
+    max_tokens: tuple[int, ...]
+    greedy_share: float = 0.25
+    temperature: tuple[float, float] = (0.2, 1.2)
+
+
+MIXES: dict[str, PromptMix] = {
+    # An RTX 5090: most prompts short, a tail of long documents; answers up to 512 tokens.
+    "gpu": PromptMix(lengths=((0.45, (8, 60)), (0.30, (60, 400)), (0.18, (400, 1500)), (0.07, (1500, 3500))),
+                     max_tokens=(16, 32, 64, 128, 128, 256, 256, 384, 512)),
+    # Gemma 3 270M on a CPU core (~20 tok/s): the same shapes, sized to finish in seconds.
+    "cpu": PromptMix(lengths=((0.6, (8, 60)), (0.3, (60, 200)), (0.1, (200, 500))),
+                     max_tokens=(8, 16, 24, 32, 48, 64)),
+}
 
 
 def _approx_tokens(text: str) -> int:
@@ -53,16 +75,17 @@ def _approx_tokens(text: str) -> int:
 class PromptGenerator:
     """Seeded generator of chat-completion payloads for probes."""
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: random.Random | None = None, mix: PromptMix = MIXES["gpu"]) -> None:
         self._rng = rng if rng is not None else random.Random()
+        self.mix = mix
 
     def _target_tokens(self) -> int:
         r = self._rng.random()
-        for p, (lo, hi) in _LENGTH_MIX:
+        for p, (lo, hi) in self.mix.lengths:
             if r < p:
                 return self._rng.randint(lo, hi)
             r -= p
-        lo, hi = _LENGTH_MIX[-1][1]
+        lo, hi = self.mix.lengths[-1][1]
         return self._rng.randint(lo, hi)
 
     def messages(self) -> list[dict[str, str]]:
@@ -88,11 +111,13 @@ class PromptGenerator:
 
     def payload(self, model: str) -> dict[str, Any]:
         """A request body exactly like an organic streaming client would send."""
+        rng = self._rng
+        lo, hi = self.mix.temperature
         return {
             "model": model,
             "messages": self.messages(),
-            "max_tokens": self._rng.choice(_MAX_TOKENS),
-            "temperature": round(self._rng.uniform(0.0, 1.2), 2),
+            "max_tokens": rng.choice(self.mix.max_tokens),
+            "temperature": 0.0 if rng.random() < self.mix.greedy_share else round(rng.uniform(lo, hi), 2),
             "stream": True,
         }
 

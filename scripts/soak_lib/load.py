@@ -37,6 +37,7 @@ import random
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+from neurons.miner.runtimes.base import RuntimeHealth
 from neurons.miner.runtimes.sim import CardProfile, SimulatedRuntime
 
 
@@ -65,6 +66,9 @@ class CardRuntime:
     @property
     def active(self) -> int:
         return self.inner.active
+
+    def health(self) -> RuntimeHealth:
+        return self.inner.health()
 
     def set_profile(self, profile: CardProfile) -> None:
         """From the next request on, the card behaves like ``profile`` (degradation, recovery)."""
@@ -125,6 +129,9 @@ class MultiCardRuntime:
     @property
     def active(self) -> int:
         return sum(c.active for c in self.cards)
+
+    def health(self) -> RuntimeHealth:
+        return RuntimeHealth(ok=True, detail=f"{len(self.cards)} simulated cards")
 
     @property
     def runtime_ttfts(self) -> list[float]:

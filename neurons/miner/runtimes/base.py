@@ -8,7 +8,16 @@ and any test double plug in without inheriting from anything.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeHealth:
+    """Whether the runtime can serve now, and a line that says why (shown on the miner's ``/health``)."""
+
+    ok: bool
+    detail: str
 
 
 class RuntimeFailure(Exception):
@@ -35,5 +44,7 @@ class Runtime(Protocol):
 
     @property
     def active(self) -> int: ...
+
+    def health(self) -> RuntimeHealth: ...
 
     def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]: ...

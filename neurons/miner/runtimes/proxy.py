@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from loguru import logger
 
-from .base import RuntimeFailure
+from .base import RuntimeFailure, RuntimeHealth
 
 _MAX_ERROR_BODY = 64 * 1024
 
@@ -77,10 +77,25 @@ class ProxyRuntime:
         self._model = model
         self._timeouts = timeouts or ProxyTimeouts()
         self._active = 0
+        self._problem: str | None = "not checked yet"  # the last reason the runtime could not be reached
 
     @property
     def active(self) -> int:
         return self._active
+
+    def health(self) -> RuntimeHealth:
+        """Down from the last failure to reach the runtime until it next answers."""
+        if self._problem is None:
+            return RuntimeHealth(ok=True, detail=f"reachable at {self.base_url}")
+        return RuntimeHealth(ok=False, detail=self._problem)
+
+    async def start(self) -> None:
+        """Check the runtime answers ``GET /v1/models`` (vLLM, SGLang and llama-server all do) before serving."""
+        try:
+            async with self._session.get(self.base_url + "/v1/models", timeout=self._timeouts.client_timeout()) as r:
+                self._problem = None if r.status == 200 else f"GET /v1/models answered HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self._problem = f"unreachable: {type(e).__name__}"
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         body = dict(payload)
@@ -97,6 +112,7 @@ class ProxyRuntime:
                     logger.warning("runtime {} answered {}: {}", self.url, resp.status, msg)
                     raise map_status(resp.status, msg)
                 started = True
+                self._problem = None
                 async for chunk in resp.content.iter_any():
                     yield chunk
         except TimeoutError:
@@ -109,6 +125,7 @@ class ProxyRuntime:
             if started:
                 raise RuntimeFailure(f"runtime stream broke: {type(e).__name__}", code="runtime_dropped") from None
             logger.warning("runtime {} unreachable: {}", self.url, e)
+            self._problem = f"unreachable: {type(e).__name__}"
             raise RuntimeFailure("runtime unreachable", status=502, code="runtime_unreachable") from None
         finally:
             self._active -= 1

@@ -41,7 +41,7 @@ from gateway.protocol.openai import requested_max_tokens
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from gateway.protocol.tokens import estimate_prompt_tokens
 
-from .base import RuntimeFailure
+from .base import RuntimeFailure, RuntimeHealth
 
 _VOCAB = (
     "the of and to in is that for it as with was on be by this are from or at an which have not had "
@@ -169,6 +169,9 @@ class SimulatedRuntime:
     @property
     def active(self) -> int:
         return self._active
+
+    def health(self) -> RuntimeHealth:
+        return RuntimeHealth(ok=True, detail=f"simulated {self.profile.name}")
 
     def _factor(self) -> float:
         j = self.profile.jitter

@@ -1,0 +1,176 @@
+"""One llama.cpp context over the model file: prompt tokens, one decoding step, and teacher forcing.
+
+Built on ``llama-cpp-python``'s public API (``Llama``, ``llama_get_logits_ith``). Generation samples
+here, in numpy, from :func:`gateway.protocol.sampling.asked_logprobs` rather than with llama.cpp's
+sampler chain, because that chain applies ``top_p`` before the temperature and keeps top-k/min-p
+cuts by default; the audit checks answers against the distribution OpenAI and vLLM define, so the
+miner must draw from that same one.
+
+A context is not thread-safe and its calls hold a CPU core for milliseconds to seconds, so every
+engine lives on one worker thread of its own (:class:`EngineThread`); the event loop never runs model
+code. llama.cpp releases the GIL while it computes.
+
+Example::
+
+    engine = LlamaEngine(model_path(), n_ctx=2048, threads=1)
+    ids = engine.prompt_ids([{"role": "user", "content": "Hi"}])
+    engine.begin(ids); logits = engine.next_logits(); engine.push(int(logits.argmax()))
+    rows = engine.forced_logits(ids, completion_ids)  # (len(completion) + 1, vocab): teacher forcing
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ctypes
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from gateway.protocol.sampling import SamplingParams, asked_logprobs
+
+from .chat_template import END_OF_TURN, render
+from .packaged import ModelUnavailable, require_runtime
+
+_T = TypeVar("_T")
+
+
+class ContextOverflow(ValueError):
+    """Prompt plus completion do not fit the context: the caller's request is too long for this runtime."""
+
+
+class LlamaEngine:
+    """A loaded model and one context. Use from one thread only."""
+
+    def __init__(self, path: Path, *, n_ctx: int = 2048, threads: int = 1) -> None:
+        require_runtime()
+        import llama_cpp
+
+        self._lib = llama_cpp
+        try:
+            self._llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(512, n_ctx),
+                                        n_threads=threads, n_threads_batch=threads, verbose=False)
+        except (ValueError, RuntimeError) as e:
+            raise ModelUnavailable(f"llama.cpp could not load {path}: {e}") from e
+        self.n_ctx = n_ctx
+        self.vocab_size = int(self._llm.n_vocab())
+        end_of_turn = self._llm.tokenize(END_OF_TURN.encode(), add_bos=False, special=True)
+        self.stop_ids = frozenset({int(self._llm.token_eos()), *(int(t) for t in end_of_turn[:1])})
+        self._pieces: dict[int, bytes] = {}
+
+    # -- tokens ----------------------------------------------------------------------------------
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt as the model sees it: the chat template, BOS first, special tokens parsed."""
+        return [int(t) for t in self._llm.tokenize(render(messages).encode("utf-8"), add_bos=True, special=True)]
+
+    def piece(self, token_id: int) -> bytes:
+        """The bytes one token adds to the text (special tokens add none)."""
+        b = self._pieces.get(token_id)
+        if b is None:
+            b = self._pieces[token_id] = bytes(self._llm.detokenize([token_id], special=False))
+        return b
+
+    def check_fits(self, prompt: int, completion: int) -> None:
+        if prompt + completion > self.n_ctx:
+            raise ContextOverflow(f"{prompt} prompt tokens + {completion} completion tokens exceed this model's "
+                                  f"context of {self.n_ctx} tokens")
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Start a new sequence: evaluate the prompt (prefill)."""
+        self._llm.reset()
+        self._llm.eval(prompt_ids)
+
+    def next_logits(self) -> npt.NDArray[np.float32]:
+        """The logits for the next token (a view into llama.cpp's buffer: use before the next call)."""
+        ptr = self._lib.llama_get_logits_ith(self._llm.ctx, -1)
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
+
+    def push(self, token_id: int) -> None:
+        """Append one token to the sequence (decode step)."""
+        self._llm.eval([token_id])
+
+    def choose(self, logits: npt.NDArray[np.float32], sampling: SamplingParams, rng: random.Random) -> int:
+        """The next token under the asked sampling: argmax when greedy, else one draw."""
+        if sampling.greedy:
+            return int(np.argmax(logits))
+        logp = asked_logprobs(logits, sampling.temperature, sampling.top_p)[0]
+        cum = np.cumsum(np.exp(logp))
+        return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), cum.shape[0] - 1))
+
+    # -- teacher forcing -------------------------------------------------------------------------
+
+    def forced_logits(self, prompt_ids: list[int], completion_ids: list[int] | tuple[int, ...]
+                      ) -> npt.NDArray[np.float32]:
+        """One batched pass over prompt + completion; the rows that predicted each completion token and the next.
+
+        Row ``j`` is the distribution the model gave completion token ``j``; the last row is what comes
+        after the completion (the stop check). Logits are asked only for those rows (through the
+        public ``llama_batch``/``llama_decode`` API): the prompt's rows would cost a 262k-wide output
+        projection each for nothing, and ``Llama(logits_all=True)`` would keep a context-sized buffer.
+        """
+        self.check_fits(len(prompt_ids), len(completion_ids))
+        lib, ctx = self._lib, self._llm.ctx
+        tokens = list(prompt_ids) + list(completion_ids)
+        first = len(prompt_ids) - 1  # the prompt's last row predicts the first completion token
+        out = np.empty((len(completion_ids) + 1, self.vocab_size), dtype=np.float32)
+        self._llm.reset()
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        batch = lib.llama_batch_init(_FORCE_BATCH, 0, 1)
+        try:
+            for start in range(0, len(tokens), _FORCE_BATCH):
+                part = tokens[start:start + _FORCE_BATCH]
+                batch.n_tokens = len(part)
+                for i, t in enumerate(part):
+                    batch.token[i] = t
+                    batch.pos[i] = start + i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = start + i >= first
+                rc = lib.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise RuntimeError(f"llama_decode failed ({rc})")
+                for i in range(max(0, first - start), len(part)):
+                    ptr = lib.llama_get_logits_ith(ctx, i)
+                    out[start + i - first] = np.ctypeslib.as_array(
+                        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
+        finally:
+            lib.llama_batch_free(batch)
+            lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        return out
+
+
+_FORCE_BATCH = 64  # tokens per decode call when forcing: bounds llama.cpp's output buffer to 64 rows
+
+
+class EngineThread:
+    """An engine and the one thread it may run on; ``await run(fn, ...)`` calls ``fn(engine, ...)`` there."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.engine: LlamaEngine | None = None
+
+    async def load(self, path: Path, **kw: Any) -> LlamaEngine:
+        loop = asyncio.get_running_loop()
+        self.engine = await loop.run_in_executor(self._pool, lambda: LlamaEngine(path, **kw))
+        return self.engine
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        if self.engine is None:
+            raise RuntimeError("engine not loaded")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, self.engine, *args)
+
+    def submit(self, fn: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
+        if self.engine is None:
+            raise RuntimeError("engine not loaded")
+        return self._pool.submit(fn, self.engine, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,138 @@
+"""Audits off the hot path: a bounded queue of sampled answers, one reference job at a time.
+
+The validator hands every drained measurement to :meth:`Auditor.take`. An answer picked by the hidden
+sample (:func:`scoring.audit.should_audit`) is held back from the scorer until its verdict is in, so
+a failed audit pays nothing for that request; the others go straight to the scorer. The queue is
+bounded: when the reference falls behind, a sampled answer is paid as measured and the drop is
+counted (and logged), never silently lost. A reference that errs or cannot replay an answer (too
+long for its context) is the validator's problem: the answer is paid as measured, the miner is
+never blamed.
+
+Verdicts feed the :class:`~scoring.audit.StrikeBook`; each outcome is kept for the store
+(:attr:`Auditor.outcomes`, drained with the round) and counted for ``/v1/status``.
+
+Example::
+
+    auditor = Auditor(reference, AuditBands(), StrikeBook(), rate=0.1, rng=random.Random())
+    task = asyncio.create_task(auditor.run())
+    for m in queue.drain():
+        if not auditor.take(m):
+            scorer.record(m)
+    for m in auditor.ready():          # audited measurements, paid as their verdict says
+        scorer.record(m)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from loguru import logger
+
+from scoring.audit import AuditBands, StrikeBook, Verdict, apply_verdict, should_audit
+from scoring.measurement import Measurement
+
+from .reference import Reference
+
+
+@dataclass(frozen=True, slots=True)
+class AuditOutcome:
+    """One finished audit, as persisted."""
+
+    at: float
+    hotkey: str
+    uid: int
+    probe: bool
+    passed: bool
+    failure: str | None
+    detail: str
+    tokens: int
+
+
+class Auditor:
+    """Samples answers, replays them on the reference, books verdicts and strikes."""
+
+    def __init__(self, reference: Reference, bands: AuditBands, book: StrikeBook, *, rate: float,
+                 max_queue: int = 256, rng: random.Random | None = None) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"audit rate must be within [0, 1], got {rate}")
+        self.reference = reference
+        self.bands = bands
+        self.book = book
+        self.rate = rate
+        self._rng = rng if rng is not None else random.SystemRandom()
+        self._queue: asyncio.Queue[Measurement] = asyncio.Queue(maxsize=max(1, max_queue))
+        self._ready: list[Measurement] = []
+        self.outcomes: deque[AuditOutcome] = deque(maxlen=10_000)  # drained by the validator into the store
+        self.counts: Counter[str] = Counter()  # sampled, passed, failed, dropped, unauditable, errors
+        self.quarantine_changed = False
+
+    def take(self, m: Measurement) -> bool:
+        """Hold ``m`` for an audit (True) or leave it to the caller to record as measured (False)."""
+        if not should_audit(m, rate=self.rate, quarantined=self.book.is_quarantined(m.hotkey),
+                            draw=self._rng.random()):
+            return False
+        try:
+            self._queue.put_nowait(m)
+        except asyncio.QueueFull:
+            self.counts["dropped"] += 1
+            if self.counts["dropped"] == 1 or self.counts["dropped"] % 100 == 0:
+                logger.warning("audit queue full ({}): {} sampled answers paid unaudited so far",
+                               self._queue.maxsize, self.counts["dropped"])
+            return False
+        self.counts["sampled"] += 1
+        return True
+
+    def ready(self) -> list[Measurement]:
+        """Audited measurements since the last call, as their verdicts pay them."""
+        out, self._ready = self._ready, []
+        return out
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    async def run(self) -> None:
+        """Audit forever (a supervised task)."""
+        while True:
+            m = await self._queue.get()
+            try:
+                await self._audit_one(m)
+            finally:
+                self._queue.task_done()
+
+    async def _audit_one(self, m: Measurement) -> None:
+        assert m.answer is not None
+        try:
+            verdict = await self.reference.audit(m.answer, self.bands)
+        except asyncio.CancelledError:
+            self._ready.append(m)
+            raise
+        except Exception as e:  # the reference's fault, never the miner's
+            self.counts["errors"] += 1
+            logger.opt(exception=e).warning("reference failed on an answer of uid {}: paid unaudited", m.uid)
+            self._ready.append(m)
+            return
+        if verdict is None:
+            self.counts["unauditable"] += 1
+            self._ready.append(m)
+            return
+        self._book(m, verdict)
+
+    def _book(self, m: Measurement, verdict: Verdict) -> None:
+        now = time.time()
+        self.counts["passed" if verdict.passed else "failed"] += 1
+        if not verdict.passed:
+            logger.info("audit failed: uid {} {} ({}): {}", m.uid, m.hotkey[:10], verdict.failure, verdict.detail)
+        if self.book.record(m.hotkey, passed=verdict.passed, at=now):
+            self.quarantine_changed = True
+            state = "quarantined" if self.book.is_quarantined(m.hotkey) else "released from quarantine"
+            logger.warning("uid {} {} {} ({} strikes in its last {} audits)", m.uid, m.hotkey[:10], state,
+                           self.book.records[m.hotkey].strikes, self.book.policy.window)
+        self.outcomes.append(AuditOutcome(now, m.hotkey, m.uid, m.probe, verdict.passed,
+                                          None if verdict.failure is None else str(verdict.failure),
+                                          verdict.detail, verdict.tokens))
+        self._ready.append(apply_verdict(m, verdict))

@@ -1,0 +1,73 @@
+"""The validator's reference runtime: the subnet's model, held by the validator to replay miners' answers.
+
+An audit renders the request's prompt with the subnet's chat template, checks the miner's token ids
+spell what the client received, teacher-forces them in one batched pass (no generation) and judges
+the result (:mod:`scoring.audit`). Everything model-bound runs on the reference's own thread, one
+audit at a time, so audits cost the validator one core at most and never touch the event loop that
+relays streams.
+
+``LlamaReference`` loads a GGUF file into llama.cpp: by default the packaged Gemma 3 270M (the local
+subnet's model); on a real subnet, the operator's copy of the subnet's model (``--audit.model``),
+which llama.cpp runs on the CPU, or on a GPU with a CUDA build of ``llama-cpp-python``.
+
+Example::
+
+    ref = LlamaReference(model_path())
+    await ref.start()
+    verdict = await ref.audit(measurement.answer, AuditBands())   # None: too long to replay here
+    await ref.aclose()
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from neurons.model.engine import EngineThread, LlamaEngine
+from neurons.model.packaged import MODEL_ID
+from scoring.audit import AuditBands, Verdict, check_ids, force, judge
+from scoring.measurement import Answer
+
+
+class Reference(Protocol):
+    """What the auditor needs: a verdict on one answer, or None when it cannot be replayed (not the miner's fault)."""
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def audit(self, answer: Answer, bands: AuditBands) -> Verdict | None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LlamaReference:
+    """The subnet's model on llama.cpp, on a thread of its own."""
+
+    def __init__(self, path: Path, *, n_ctx: int = 4096, threads: int = 1, model: str = MODEL_ID) -> None:
+        self.name = f"llama.cpp:{model}"
+        self._path = path
+        self._n_ctx = n_ctx
+        self._threads = threads
+        self._worker = EngineThread("reference")
+
+    async def start(self) -> None:
+        await self._worker.load(self._path, n_ctx=self._n_ctx, threads=self._threads)
+
+    async def audit(self, answer: Answer, bands: AuditBands) -> Verdict | None:
+        return await self._worker.run(_audit, answer, bands)
+
+    async def aclose(self) -> None:
+        self._worker.close()
+
+
+def _audit(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> Verdict | None:
+    """On the reference's thread: structure, then teacher forcing, then the verdict."""
+    checked = check_ids(answer, vocab_size=engine.vocab_size, piece=engine.piece, stop_ids=engine.stop_ids)
+    if isinstance(checked, Verdict):
+        return checked
+    prompt = engine.prompt_ids(answer.messages)
+    if len(prompt) + len(checked.ids) + 1 > engine.n_ctx:
+        return None
+    rows = engine.forced_logits(prompt, checked.ids)
+    return judge(answer, checked, force(rows, checked.ids, answer.sampling, engine.stop_ids), bands)

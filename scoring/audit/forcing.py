@@ -1,0 +1,115 @@
+"""Teacher forcing, the arithmetic: what the reference model thought of each token a miner sent.
+
+The reference runtime evaluates the prompt followed by the miner's own completion tokens in one
+pass (no generation) and hands over one row of logits per completion position, plus one more row
+after the last token (where the model would stop or go on). This module turns those rows into the
+few numbers a verdict needs, per position:
+
+* ``gap``: how far the miner's token sits below the reference's best token, in nats, at the raw
+  distribution (temperature 1). A greedy miner's tokens have gap 0 up to numerics.
+* ``logp``, ``mean``, ``var``: the token's log-probability under the distribution the client asked
+  for (temperature, then nucleus ``top_p``, as OpenAI and vLLM apply them), and that distribution's
+  expected log-probability and variance. Summed over an answer, ``logp - mean`` is a centred
+  statistic whose spread ``sqrt(sum var)`` is known, so an honest sampled answer gives a z-score
+  near 0 and one drawn from another distribution (another model, prompt or temperature) does not.
+* the stop row: the log-probability that the model ends its turn right after the last token.
+
+Pure numpy, rows processed in blocks so a 4k-token answer over a 262k-token vocabulary never holds
+more than a block of full-width temporaries.
+
+Example::
+
+    scores = force(logits, np.array([5, 9]), SamplingParams(temperature=0.0), stop_ids=(1, 106))
+    scores.gap            # array([0.0, 0.13]): the miner's tokens were the argmax, then a near-tie
+    scores.stop_gap       # nats between the best token and the best stop token after the answer
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from gateway.protocol.sampling import FloatArray, SamplingParams, asked_logprobs, log_softmax
+
+_BLOCK = 16  # rows per numpy pass: 16 x 262k float32 = 17 MB of temporaries at most
+_NUCLEUS_SLACK = 0.02  # the nucleus is taken a little wider than asked: the reference's numerics differ
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedScores:
+    """Per-position numbers for one answer (length n) and its stop row."""
+
+    gap: FloatArray  # best raw logprob minus the chosen token's, >= 0
+    logp: FloatArray  # chosen token's logprob under the asked distribution (-inf: outside the nucleus)
+    mean: FloatArray  # expected logprob under that distribution
+    var: FloatArray  # variance of the logprob under it
+    stop_gap: float  # best raw logprob minus the best stop token's, after the last token
+    stop_logp: float  # log-probability (asked distribution, no nucleus) of stopping after the last token
+
+    @property
+    def n(self) -> int:
+        return int(self.gap.shape[0])
+
+
+def force(logits: npt.ArrayLike, chosen: npt.ArrayLike, sampling: SamplingParams,
+          stop_ids: tuple[int, ...] | frozenset[int]) -> ForcedScores:
+    """Score ``chosen`` (n ids) against ``logits`` (n + 1 rows: one per position, then the stop row).
+
+    Greedy requests need only ``gap`` (a difference of logits: no softmax over the vocabulary), so
+    their ``logp``/``mean``/``var`` are left at 0. Sampled requests with ``top_p`` 1 take the moments
+    from one ``exp`` per row (``var`` is shift-invariant, so no log-softmax is materialised); a
+    nucleus needs the full distribution per row and is the slow path.
+    """
+    rows = np.asarray(logits, dtype=np.float32)
+    ids = np.asarray(chosen, dtype=np.int64)
+    n = int(ids.shape[0])
+    if rows.ndim != 2 or rows.shape[0] != n + 1:
+        raise ValueError(f"need {n + 1} rows of logits for {n} tokens, got shape {rows.shape}")
+    vocab = rows.shape[1]
+    if n and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError("token id outside the vocabulary")
+    body = rows[:n]
+    at = np.arange(n)
+    gap = (body.max(axis=1) - body[at, ids]).astype(np.float64)
+    logp = np.zeros(n)
+    mean = np.zeros(n)
+    var = np.zeros(n)
+    if not sampling.greedy and n:
+        temp = sampling.temperature
+        p = min(1.0, sampling.top_p + _NUCLEUS_SLACK) if sampling.top_p < 1.0 else 1.0
+        for lo in range(0, n, _BLOCK):
+            hi = min(n, lo + _BLOCK)
+            if p >= 1.0:
+                logp[lo:hi], mean[lo:hi], var[lo:hi] = _moments(body[lo:hi] / np.float32(temp), ids[lo:hi])
+            else:
+                lsm = asked_logprobs(body[lo:hi], temp, p)
+                prob = np.exp(lsm)
+                finite = np.where(np.isfinite(lsm), lsm, 0.0)
+                m1 = (prob * finite).sum(axis=1)
+                logp[lo:hi] = lsm[np.arange(hi - lo), ids[lo:hi]]
+                mean[lo:hi] = m1
+                var[lo:hi] = np.maximum(0.0, (prob * finite * finite).sum(axis=1) - m1 * m1)
+    last = rows[n].astype(np.float64)
+    stops = sorted(s for s in stop_ids if 0 <= s < vocab)
+    if stops:
+        stop_gap = float(last.max() - last[stops].max())
+        temp = 1.0 if sampling.greedy else sampling.temperature
+        scaled = log_softmax(last[None, :] / temp)[0]
+        stop_logp = float(np.logaddexp.reduce(scaled[stops]))
+    else:
+        stop_gap, stop_logp = float("inf"), float("-inf")
+    return ForcedScores(gap=gap, logp=logp, mean=mean, var=var, stop_gap=stop_gap, stop_logp=stop_logp)
+
+
+def _moments(z: npt.NDArray[np.float32], ids: npt.NDArray[np.int64]) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """Chosen logprob, mean and variance of the logprob, for rows of scaled logits (float32, one exp per row)."""
+    z = z - z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    total = e.sum(axis=1, dtype=np.float64)
+    ez = np.einsum("ij,ij->i", e, z, dtype=np.float64) / total
+    ez2 = np.einsum("ij,ij->i", e * z, z, dtype=np.float64) / total
+    lse = np.log(total)
+    chosen = z[np.arange(z.shape[0]), ids].astype(np.float64) - lse
+    return chosen, ez - lse, np.maximum(0.0, ez2 - ez * ez)

@@ -1,0 +1,38 @@
+"""Which answers are audited, and what a verdict does to the measurement that is paid on.
+
+Sampling is hidden: every answer names its token ids, so nothing on the wire tells a miner which
+ones the validator replays. Audited are every probe (the validator's own prompts: they reach every
+miner every round, which is the per-miner floor), every answer of a quarantined miner (so it can
+earn its way back), and a random ``rate`` of the organic rest, drawn by the caller from a private RNG.
+
+A passed audit pays the tokens the reference verified (not the chunks the gateway counted); a failed
+one turns the measurement into an ``audit_failed`` failure: credit 0 for that request.
+
+Example::
+
+    if should_audit(m, rate=0.1, quarantined=False, draw=rng.random()):
+        ...                                       # teacher-force m.answer on the reference
+    scorer.record(apply_verdict(m, verdict))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scoring.measurement import FailureReason, Measurement
+
+from .verdict import Verdict
+
+
+def should_audit(m: Measurement, *, rate: float, quarantined: bool, draw: float) -> bool:
+    """Whether to audit ``m``; ``draw`` is a uniform [0, 1) number from the caller's private RNG."""
+    if not m.ok or m.answer is None:
+        return False
+    return m.probe or quarantined or draw < rate
+
+
+def apply_verdict(m: Measurement, verdict: Verdict) -> Measurement:
+    """The measurement as it is paid after its audit."""
+    if verdict.passed:
+        return dataclasses.replace(m, completion_tokens=verdict.tokens, audited=True, answer=None)
+    return dataclasses.replace(m, ok=False, failure=FailureReason.AUDIT_FAILED, audited=True, answer=None)

@@ -1,0 +1,161 @@
+"""The audit verdict: pass or fail one answer, from what the miner sent and what the reference thought.
+
+Pure rules, in the order they are checked:
+
+1. **Structure** (:func:`check_ids`): the miner must say which tokens it produced (``token_ids``), every
+   id must be in the reference's vocabulary, and the ids must spell exactly the text the client
+   received. A trailing end-of-turn id is allowed and marks the stop.
+2. **The tokens** (:func:`judge`), teacher-forced on the reference:
+
+   * greedy requests (temperature 0): each token must be the reference's best or within
+     ``greedy_gap`` nats of it (batched and token-by-token numerics differ, so near-ties flip);
+     at most ``greedy_miss_share`` of the positions may miss, none by more than ``greedy_hard_gap``;
+   * sampled requests: the answer's z-score, ``sum(logp - mean) / sqrt(sum var)`` under the asked
+     distribution, must lie within ``±z_limit``. Honest draws centre on 0; random or cached words, a
+     truncated prompt or another model fall far below; greedy-when-asked-to-sample (a cheaper
+     setting) lands far above. Tokens outside the asked nucleus count as misses too.
+3. **The end**: a ``stop`` the model did not choose (the reference gives the end-of-turn less than
+   ``min_stop_prob``, or, greedy, not within ``greedy_gap`` of its best) is an early stop; a
+   ``length`` before ``max_tokens`` tokens is a false length. A client's own ``stop`` strings end
+   answers where the model would go on, so such answers skip this check (the runtime strips the
+   string, and the reference cannot see it).
+
+The bands were chosen from honest variance measured by ``scripts/bench_audit.py``; see the README.
+
+Example::
+
+    ids = check_ids(answer, vocab_size=262144, piece=ref.piece, stop_ids=ref.stop_ids)
+    verdict = judge(answer, ids, force(logits, ids.ids, ...), AuditBands())
+    verdict.passed, verdict.failure, verdict.tokens
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from scoring.measurement import Answer
+
+from .forcing import ForcedScores
+
+
+class AuditFailure(StrEnum):
+    """Why an answer failed its audit: each is a strike against the miner."""
+
+    NO_TOKEN_IDS = "no_token_ids"  # the miner did not say which tokens it produced
+    UNKNOWN_TOKEN = "unknown_token"  # an id outside the reference's vocabulary
+    TEXT_MISMATCH = "text_mismatch"  # the ids do not spell the text the client received
+    WRONG_TOKENS = "wrong_tokens"  # greedy: tokens the reference would not have chosen
+    IMPLAUSIBLE = "implausible"  # sampled: not drawn from the distribution the client asked for
+    EARLY_STOP = "early_stop"  # claimed a stop where the model would have gone on
+    FALSE_LENGTH = "false_length"  # claimed the length limit before reaching it
+
+
+@dataclass(frozen=True, slots=True)
+class AuditBands:
+    """Where honest ends and cheating begins. Defaults: measured on Gemma 3 270M, llama.cpp, CPU."""
+
+    greedy_gap: float = 1.0
+    greedy_miss_share: float = 0.1
+    greedy_hard_gap: float = 4.0
+    z_limit: float = 6.0
+    nucleus_miss_share: float = 0.05
+    min_stop_prob: float = 1e-4
+
+    def __post_init__(self) -> None:
+        for name in ("greedy_gap", "greedy_hard_gap", "z_limit", "min_stop_prob"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ValueError(f"AuditBands.{name} must be a positive number, got {v!r}")
+        for name in ("greedy_miss_share", "nucleus_miss_share"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and 0.0 <= v <= 1.0):
+                raise ValueError(f"AuditBands.{name} must be within [0, 1], got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One audit's outcome. ``tokens``: completion tokens verified (what an honest answer is paid for)."""
+
+    passed: bool
+    failure: AuditFailure | None = None
+    detail: str = ""
+    tokens: int = 0
+    z: float | None = None  # sampled answers: the z-score
+    miss_share: float = 0.0  # share of positions judged wrong
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedIds:
+    """The completion ids to force, without a trailing end-of-turn id (``ended_with_stop`` says if one was there)."""
+
+    ids: tuple[int, ...]
+    ended_with_stop: bool
+
+
+def _fail(failure: AuditFailure, detail: str, *, z: float | None = None, miss_share: float = 0.0) -> Verdict:
+    return Verdict(False, failure, detail, z=z, miss_share=miss_share)
+
+
+def check_ids(answer: Answer, *, vocab_size: int, piece: Callable[[int], bytes],
+              stop_ids: frozenset[int]) -> CheckedIds | Verdict:
+    """The structural checks; a :class:`Verdict` (failed) when they fail, else the ids to force."""
+    if answer.token_ids is None or not answer.token_ids:
+        return _fail(AuditFailure.NO_TOKEN_IDS, "the answer carried no token ids")
+    ids = answer.token_ids
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            return _fail(AuditFailure.UNKNOWN_TOKEN, f"token id {t} is outside the vocabulary of {vocab_size}")
+    ended = ids[-1] in stop_ids
+    body = ids[:-1] if ended else ids
+    if any(t in stop_ids for t in body):
+        return _fail(AuditFailure.TEXT_MISMATCH, "an end-of-turn token inside the answer")
+    spelled = b"".join(piece(t) for t in body).decode("utf-8", errors="replace")  # as the miner streamed it
+    if spelled != answer.text:
+        return _fail(AuditFailure.TEXT_MISMATCH, f"{len(body)} ids spell {len(spelled)} characters, "
+                                                 f"the client received {len(answer.text)}")
+    return CheckedIds(ids=tuple(body), ended_with_stop=ended)
+
+
+def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: AuditBands) -> Verdict:
+    """The verdict on an answer whose structure passed, from its teacher-forced scores."""
+    n = scores.n
+    if n != len(checked.ids):
+        raise ValueError(f"scores cover {n} positions, the answer has {len(checked.ids)}")
+    if answer.finish_reason == "length" and n < answer.max_tokens:
+        return _fail(AuditFailure.FALSE_LENGTH, f"finish 'length' after {n} of {answer.max_tokens} tokens")
+    greedy = answer.sampling.greedy
+    z: float | None = None
+    miss_share = 0.0
+    if n and not answer.penalised:
+        if greedy:
+            misses = int((scores.gap > bands.greedy_gap).sum())
+            miss_share = misses / n
+            worst = float(scores.gap.max())
+            if worst > bands.greedy_hard_gap or miss_share > bands.greedy_miss_share:
+                return _fail(AuditFailure.WRONG_TOKENS, f"{misses}/{n} tokens off the reference's choice, "
+                                                        f"worst by {worst:.2f} nats", miss_share=miss_share)
+        else:
+            outside = ~(scores.logp > -math.inf)
+            miss_share = float(outside.sum()) / n
+            if miss_share > bands.nucleus_miss_share:
+                return _fail(AuditFailure.IMPLAUSIBLE, f"{int(outside.sum())}/{n} tokens outside top_p",
+                             miss_share=miss_share)
+            inside = ~outside
+            spread = math.sqrt(float(scores.var[inside].sum()) + 1e-6 * n)
+            z = float((scores.logp[inside] - scores.mean[inside]).sum()) / spread
+            if abs(z) > bands.z_limit:
+                return _fail(AuditFailure.IMPLAUSIBLE, f"z-score {z:+.1f} under the asked distribution",
+                             z=z, miss_share=miss_share)
+    if answer.finish_reason == "stop" and n < answer.max_tokens and not answer.stop:
+        if greedy:
+            early = scores.stop_gap > bands.greedy_gap
+        else:
+            early = scores.stop_logp < math.log(bands.min_stop_prob)
+        if early:
+            return _fail(AuditFailure.EARLY_STOP, f"stopped after {n} tokens where the model goes on "
+                                                  f"(end-of-turn p={math.exp(scores.stop_logp):.2g})",
+                         z=z, miss_share=miss_share)
+    return Verdict(True, tokens=n, z=z, miss_share=miss_share)
