@@ -33,7 +33,7 @@ from typing import Any
 from scoring.measurement import FailureReason
 
 from .asgi import Send, send_json
-from .protocol.errors import GatewayError, bad_gateway, gateway_timeout, no_capacity
+from .protocol.errors import GatewayError, bad_gateway, bad_request, gateway_timeout, no_capacity
 from .protocol.openai import ChatRequest
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .router import Router
@@ -88,6 +88,10 @@ class Relay:
                 try:
                     stream = await self.upstream.open(lease, payload, timeouts=self.config.timeouts)
                 except UpstreamError as e:
+                    if e.reason == FailureReason.CLIENT_REJECTED:  # every miner would: the client's 400, at once
+                        self.outcomes["400"] += 1
+                        raise bad_request(f"the model cannot serve this request: {e.detail}",
+                                          code="context_length_exceeded") from None
                     failures.append(e)
                     continue
                 async with stream:

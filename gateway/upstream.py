@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from scoring.measurement import Answer, FailureReason, Measurement, MeasurementS
 
 from .http.client import MinerClient
 from .metering import MeterFailure, StreamMeter
+from .protocol.errors import CLIENT_FAULT_CODES
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens
 from .protocol.sampling import SamplingParams
 from .protocol.signing import RequestSigner
@@ -72,6 +74,25 @@ class UpstreamLimits:
     max_content_chars: int = 4096  # one chunk's delta.content; a token is a few characters
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # for payloads that name no max_tokens
     keep_answers: bool = False  # keep each complete answer (text, token ids) on its measurement, for audits
+
+
+def client_fault(status: int, body: bytes) -> str | None:
+    """The runtime's message when a miner's refusal says the *request* cannot be served, else None.
+
+    Only a 400 naming one of :data:`~gateway.protocol.errors.CLIENT_FAULT_CODES` counts: anything else
+    a miner refuses with stays its failure. A miner gains nothing by abusing it: a refused request
+    earns no credit.
+    """
+    if status != 400:
+        return None
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(err, dict) or err.get("code") not in CLIENT_FAULT_CODES:
+        return None
+    message = err.get("message")
+    return str(message)[:500] if isinstance(message, str) and message else str(err.get("code"))
 
 
 class UpstreamError(Exception):
@@ -121,7 +142,7 @@ class Upstream:
         # Called with (miner, n) when a miner advertises its slot count (``X-Miner-Slots``) in an answer;
         # the wiring connects it to ``Router.learn_slots`` so least-in-flight compares in_flight / slots.
         self.on_slots: Callable[[MinerState, int], None] | None = None
-        self._draining: set[asyncio.Task[None]] = set()
+        self._draining: set[asyncio.Task[bytes]] = set()
 
     async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,
                    timeouts: UpstreamTimeouts | None = None) -> UpstreamStream:
@@ -180,22 +201,24 @@ class Upstream:
         task.add_done_callback(self._draining.discard)
 
 
-async def settle(resp: aiohttp.ClientResponse, within_s: float, *, content_ok: bool) -> None:
-    """Read what is left of an answer so its connection can be reused.
+async def settle(resp: aiohttp.ClientResponse, within_s: float, *, content_ok: bool) -> bytes:
+    """Read what is left of an answer so its connection can be reused; returns what was read.
 
     Released when the answer ends within ``within_s`` with at most :data:`MAX_ERROR_BODY` left (and, unless
     ``content_ok``, nothing but whitespace: bytes after ``[DONE]`` are a miner breaking the protocol);
     otherwise the connection is closed.
     """
+    rest = b""
     try:
         async with asyncio.timeout(max(0.0, within_s)):
             rest = await resp.content.read(MAX_ERROR_BODY)
         if resp.content.at_eof() and (content_ok or not rest.strip()):
             resp.release()
-            return
+            return rest
     except (TimeoutError, aiohttp.ClientError, OSError):
         pass
     resp.close()
+    return rest
 
 
 class UpstreamStream:
@@ -379,9 +402,13 @@ class UpstreamStream:
         status = resp.status
         if status != 200:
             # read a refusal's small body so the connection can be reused (a refusal is often a 429)
-            await settle(resp, self._deadline() - self._loop.time(), content_ok=True)
-            reason = FailureReason.BUSY if status == 429 else FailureReason.HTTP_STATUS
-            raise self._fail(reason, status=status, detail="" if status == 429 else f"HTTP {status}")
+            body = await settle(resp, self._deadline() - self._loop.time(), content_ok=True)
+            if status == 429:
+                raise self._fail(FailureReason.BUSY, status=status)
+            rejected = client_fault(status, body)
+            if rejected is not None:  # the request's fault (too long for the model): not the miner's
+                raise self._fail(FailureReason.CLIENT_REJECTED, status=status, detail=rejected)
+            raise self._fail(FailureReason.HTTP_STATUS, status=status, detail=f"HTTP {status}")
         ctype = resp.headers.get("Content-Type", "").partition(";")[0].strip().lower()
         if ctype != "text/event-stream":
             raise self._fail(FailureReason.GARBAGE, status=200, detail=f"content type {ctype!r}")

@@ -99,15 +99,18 @@ def local_config(cfg: ValidatorConfig) -> ValidatorConfig:
 
 async def _runtime(cfg: ValidatorConfig, i: int, rng: random.Random, subnet_runtimes: list[Any]) -> tuple[Runtime,
                                                                                                         str, int]:
-    """The runtime of local miner ``i``: (runtime, label, slots)."""
+    """The runtime of local miner ``i`` (the cheats come after the honest miners): (runtime, label, slots)."""
     if cfg.local_runtime == "real":
+        from .miner.runtimes.cheats import CHEATS
         from .miner.runtimes.llama import LlamaRuntime
         from .model.packaged import model_path
 
-        rt = LlamaRuntime(model_path(), slots=1, threads=1, model=cfg.models[0], seed=rng.getrandbits(32))
+        cheat = cfg.local_cheats[i - cfg.local_miners] if i >= cfg.local_miners else None
+        rt = LlamaRuntime(model_path(), slots=1, threads=1, model=cfg.models[0], seed=rng.getrandbits(32),
+                          generate=CHEATS[cheat] if cheat else None)
         subnet_runtimes.append(rt)
         await rt.start()
-        return rt, "llama.cpp gemma-3-270m (CPU)", 1
+        return rt, f"cheat: {cheat}" if cheat else "llama.cpp gemma-3-270m (CPU)", 1
     profile = "rtx5090-slow" if (i == cfg.local_miners - 1 and cfg.local_miners > 1) else "rtx5090"
     return SimulatedRuntime(PROFILES[profile], rng=random.Random(rng.random())), profile, 4
 
@@ -140,7 +143,7 @@ async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -
     miners: list[tuple[int, str, str]] = []
     try:
         trust = AllowList({vkey.ss58_address})
-        for i in range(cfg.local_miners):
+        for i in range(cfg.local_miners + len(cfg.local_cheats)):
             mkey = dev_keypair(f"Miner{i + 1}")
             runtime, label, slots = await _runtime(cfg, i, rng, runtimes)
             runner, port = await start_miner(mkey, runtime, slots=slots, trust=trust, host="127.0.0.1", port=0)

@@ -28,7 +28,7 @@ from scoring.measurement import FailureReason, Measurement
 
 # Failures that are not the miner's fault: a 429 is the miner telling the truth about its capacity,
 # a client disconnect is the caller walking away. Both are excluded from credit (neither 0 nor 1).
-EXCLUDED_FAILURES: frozenset[str] = frozenset({FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT})
+EXCLUDED_FAILURES: frozenset[str] = frozenset(r for r in FailureReason if not r.blames_miner)
 
 DecodeCurve = tuple[tuple[int, float], ...]
 

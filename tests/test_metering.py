@@ -130,3 +130,30 @@ def test_decode_concurrency_is_time_weighted() -> None:
     m.feed(tok("c"), now=3.0, in_flight=3)  # one second shared by three
     assert m.decode_concurrency() == pytest.approx(2.0)
     assert StreamMeter(8, 0.0).decode_concurrency() is None
+
+
+def tok_ids(text: str, ids: list[int]) -> bytes:
+    return ev({"choices": [{"delta": {"content": text}, "finish_reason": None, "token_ids": ids}]})
+
+
+def test_tokens_are_the_ids_a_chunk_names_not_the_chunks() -> None:
+    m = StreamMeter(max_tokens=8, started_at=0.0, keep_answer=True)
+    m.feed(ROLE + tok_ids("Hello", [5, 6]) + tok_ids("", [8]) + tok_ids("€", [9]) + FINISH + DONE, now=0.2)
+    assert m.tokens == 4 and m.done
+    assert m.ids == [5, 6, 8, 9] and "".join(m.text) == "Hello€" and m.ids_complete
+    assert m.ttft_s == 0.2
+
+
+def test_a_chunk_without_ids_marks_the_answer_unverifiable() -> None:
+    m = StreamMeter(max_tokens=8, started_at=0.0, keep_answer=True)
+    m.feed(tok_ids("a", [1]) + tok("b") + FINISH + DONE, now=0.1)
+    assert m.tokens == 2 and not m.ids_complete
+
+
+def test_ids_beyond_max_tokens_are_overlong() -> None:
+    m = StreamMeter(max_tokens=3, started_at=0.0)
+    with pytest.raises(MeterFailure) as e:
+        m.feed(tok_ids("abcd", [1, 2, 3, 4]), now=0.1)
+    assert e.value.reason == FailureReason.OVERLONG
+    kept = StreamMeter(max_tokens=3, started_at=0.0)
+    assert not kept.keep_answer and kept.feed(tok_ids("abc", [1, 2, 3]), now=0.1) and kept.ids == []

@@ -172,3 +172,60 @@ def test_sse_parser_line_limit_is_exact_in_one_read_or_many():
         with pytest.raises(SSEGarbage):
             for i in range(0, len(bad), step):
                 p.feed(bad[i:i + step])
+
+
+def _with_ids(style: int, cid: str, content: str, ids: list[int]) -> str:
+    """A content chunk that names its token ids (vLLM's ``return_token_ids``), in each server style."""
+    obj = json.loads(_server_chunk(style, cid, content))
+    obj["choices"][0]["token_ids"] = ids
+    if style == 1:
+        return json.dumps(obj)
+    return json.dumps(obj, separators=(",", ":") if style == 0 else (", ", ": "), ensure_ascii=False)
+
+
+@pytest.mark.parametrize("style", [0, 1, 2])
+def test_chunk_decoder_reads_token_ids_on_the_fast_path_too(style):
+    rng = random.Random(77 + style)
+    dec = ChunkDecoder(max_content_chars=40)
+    fast = 0
+    for i in range(200):
+        text = "".join(rng.choice("abc xyz.") for _ in range(rng.randrange(1, 8)))
+        ids = [rng.randrange(262144) for _ in range(rng.randrange(1, 4))]
+        data = _with_ids(style, "chatcmpl-1", text, ids)
+        had = dec.has_template
+        got = dec.decode(data)
+        assert got == parse_chunk(data, 40) and got.token_ids == tuple(ids) and got.content == text
+        fast += had and i > 0
+    assert fast > 150
+
+
+@pytest.mark.parametrize("bad", [
+    '{"choices":[{"delta":{"content":"a"},"token_ids":"12"}]}',
+    '{"choices":[{"delta":{"content":"a"},"token_ids":[1,true]}]}',
+    '{"choices":[{"delta":{"content":"a"},"token_ids":[-3]}]}',
+    '{"choices":[{"delta":{"content":"a"},"token_ids":[1.5]}]}',
+    '{"choices":[{"delta":{"content":"a"},"token_ids":[4294967296]}]}',
+])
+def test_bad_token_ids_are_garbage(bad):
+    with pytest.raises(SSEGarbage):
+        parse_chunk(bad)
+
+
+def test_token_id_template_cannot_be_fooled():
+    dec = ChunkDecoder(max_content_chars=40)
+    first = '{"choices":[{"delta":{"content":"a"},"finish_reason":null,"token_ids":[5]}]}'
+    assert dec.decode(first).token_ids == (5,)
+    for later in ['{"choices":[{"delta":{"content":"b"},"finish_reason":null,"token_ids":[5,NaN]}]}',
+                  '{"choices":[{"delta":{"content":"b"},"finish_reason":null,"token_ids":[99999999999]}]}',
+                  '{"choices":[{"delta":{"content":"b"},"finish_reason":null,"token_ids":[5],"x":[1]}]}',
+                  '{"choices":[{"delta":{"content":"b\\"},"finish_reason":null,"token_ids":[5]}]}',
+                  '{"choices":[{"delta":{"content":"b"},"finish_reason":null,"token_ids":[]}]}']:
+        _same_as_parse_chunk(dec, later, 40)
+
+
+def test_chunk_framer_token_frames():
+    f = ChunkFramer("c", 1, "m")
+    obj = f.chunk({"content": 'a"é'}, None)
+    obj["choices"][0]["token_ids"] = [3, 4]
+    assert f.tokens('a"é', [3, 4]) == frame(obj)
+    assert parse_chunk(f.tokens("x", [9])[6:-2].decode()).token_ids == (9,)

@@ -174,6 +174,19 @@ async def test_retries_are_bounded(make_miner, make_gateway):
     assert [x.failure for x in h.measurements()] == [FailureReason.HTTP_STATUS] * 3
 
 
+async def test_a_request_the_model_cannot_serve_is_the_clients_400_not_the_miners_failure(make_miner, make_gateway):
+    too_long = await make_miner(Script("too_long"), tag="a-")
+    other = await make_miner(Script("too_long"), tag="b-")
+    h = await make_gateway([too_long, other], max_retries=2)
+    async with h.chat(body()) as r:
+        assert r.status == 400
+        err = await error_of(r)
+    assert err["code"] == "context_length_exceeded" and "maximum context length" in err["message"]
+    assert too_long.requests + other.requests == 1  # no other miner is tried: each would refuse it too
+    [m] = h.measurements()
+    assert m.failure == FailureReason.CLIENT_REJECTED and not m.failure.blames_miner
+
+
 async def test_disconnect_mid_stream_frees_both_sides(make_miner, make_gateway):
     m = await make_miner(Script("gated", tokens=4))
     h = await make_gateway([m])

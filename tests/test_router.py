@@ -347,3 +347,22 @@ def test_learned_slots_make_least_in_flight_capacity_aware_and_survive_sync():
     for lease in held:
         r.release(lease)
     assert r.total_in_flight() == 0
+
+
+def test_quarantined_miners_get_no_organic_traffic_but_probes_reach_them():
+    r = router(3, scores=[1.0, 1.0, 1.0])
+    r.set_quarantined({"hk1"})
+    picks = Counter(sequential(r)() for _ in range(600))
+    assert picks[1] == 0 and picks[0] > 200 and picks[2] > 200
+    busy = [r.acquire() for _ in range(2)]  # both others busy: still never the quarantined one
+    assert {lease.miner.uid for lease in busy if lease} == {0, 2}
+    third = r.acquire()
+    assert third is not None and third.miner.uid in (0, 2)
+    probe = r.acquire_uid(1)
+    assert probe is not None and probe.miner.uid == 1
+    r.release(probe)
+    r.set_quarantined(set())  # released: routed again
+    assert Counter(sequential(r)() for _ in range(600))[1] > 100
+    sync_again = router(3, scores=[1.0, 0.0, 0.0])
+    sync_again.set_quarantined({"hk0"})
+    assert Counter(sequential(sync_again)() for _ in range(50))[0] == 0  # not even as the only positive score

@@ -55,6 +55,12 @@ def error_body(message: str, *, type: str = INVALID_REQUEST, param: str | None =
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Codes a miner's 400 may carry to say the request cannot be served by the model (the client's fault):
+# the context is too small (vLLM, llama-server, this project's llama.cpp runtime), or the reference
+# miner's proxy passed on its runtime's own 400/404/413/422.
+CLIENT_FAULT_CODES = frozenset({"context_length_exceeded", "runtime_rejected"})
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> GatewayError:
     return GatewayError(400, message, param=param, code=code)
 

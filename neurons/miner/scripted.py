@@ -41,6 +41,7 @@ BEHAVIORS = (
     "gated",  # prelude + first token, then waits for .gate before the rest
     "busy",  # always 429
     "http500",  # always 500
+    "too_long",  # always 400 context_length_exceeded: the runtime says the request is the client's fault
     "hang_headers",  # never sends response headers
     "hang_first",  # headers + role prelude, then nothing
     "stall_after",  # ``after`` tokens, then nothing
@@ -218,6 +219,9 @@ class FakeMiner:
 
         if s.behavior == "http500":
             return _error(500, "internal error", "server_error", "internal_error")
+        if s.behavior == "too_long":
+            return _error(400, "this model's maximum context length is 2048 tokens", "invalid_request_error",
+                          "context_length_exceeded")
         if s.behavior == "hang_headers":
             await asyncio.sleep(HANG_S)
         await until(s.headers_delay)

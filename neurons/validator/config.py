@@ -60,6 +60,7 @@ class ValidatorConfig:
     local_traffic_rps: float = 1.5
     local_runtime: str = "sim"  # "sim": simulated 5090s; "real": Gemma 3 270M on llama.cpp (CPU), audited
     local_miner_urls: list[str] = field(default_factory=list)  # external miners (host:port) to add to the chain
+    local_cheats: list[str] = field(default_factory=list)  # real mode: cheating miners to add (demonstrates audits)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--local.miner-url", dest="local_miner_urls", action="append", default=[],
                     help="register an external miner (host:port) on the local chain (repeatable); the banner "
                          "prints the validator hotkey it must --allow")
+    lo.add_argument("--local.cheat", dest="local_cheats", action="append", default=[],
+                    choices=("random", "stop-early", "cached", "hot", "greedy", "truncated"),
+                    help="real mode: add a cheating miner of this kind (repeatable), to watch the audit catch it")
     p.add_argument("--seed", type=int, default=None, help="seed the router, probes and traffic (reproducible runs)")
     p.add_argument("--log-level", dest="log_level", default=d.log_level, help="DEBUG | INFO | WARNING")
     return p
@@ -160,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
         values["models"] = [DEFAULT_MODEL]
     values["state_dir"] = Path(os.path.expanduser(str(values["state_dir"])))
     cfg = ValidatorConfig(**values)
+    if cfg.local_cheats and cfg.local_runtime != "real":
+        build_parser().error("--local.cheat needs --local.runtime real (a simulated card has no model to cheat with)")
     if cfg.local and cfg.state_dir == ValidatorConfig().state_dir:
         cfg.state_dir = Path("~/.tensorgate/local").expanduser()
     return cfg

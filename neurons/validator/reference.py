@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Protocol
 
@@ -70,4 +71,5 @@ def _audit(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> Verdict | 
     if len(prompt) + len(checked.ids) + 1 > engine.n_ctx:
         return None
     rows = engine.forced_logits(prompt, checked.ids)
-    return judge(answer, checked, force(rows, checked.ids, answer.sampling, engine.stop_ids), bands)
+    verdict = judge(answer, checked, force(rows, checked.ids, answer.sampling, engine.stop_ids), bands)
+    return dataclasses.replace(verdict, prompt_tokens=len(prompt))

