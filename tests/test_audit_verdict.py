@@ -182,3 +182,16 @@ def test_verdict_decides_what_is_paid() -> None:
     failed = apply_verdict(_m(), Verdict(False, AuditFailure.WRONG_TOKENS))
     assert not failed.ok and failed.failure == FailureReason.AUDIT_FAILED and failed.audited
     assert FailureReason.AUDIT_FAILED.blames_miner
+
+
+def test_logit_noise_widens_the_band_at_low_temperature_only() -> None:
+    """Batched and token-by-token logits differ a little; at T=0.2 that is amplified 5x (measured |z| 9.5)."""
+    n = 40
+    s = ForcedScores(gap=np.zeros(n), logp=np.full(n, -1.2), mean=np.full(n, -1.0), var=np.full(n, 0.01),
+                     stop_gap=0.0, stop_logp=-0.1)
+    cold = answer(text="?" * n, ids=tuple([50] * n), temperature=0.2, finish="length", max_tokens=n)
+    assert judge(cold, checked(cold), s, AuditBands(logit_noise=0.0)).failure == AuditFailure.IMPLAUSIBLE
+    assert judge(cold, checked(cold), s, AuditBands(logit_noise=0.15)).passed
+    hot = dataclasses.replace(cold, sampling=SamplingParams(temperature=1.0))
+    far = dataclasses.replace(s, logp=np.full(n, -2.5), var=np.full(n, 1.0))  # z = -60/sqrt(40.9): not noise
+    assert judge(hot, checked(hot), far, AuditBands(logit_noise=0.15)).failure == AuditFailure.IMPLAUSIBLE

@@ -235,3 +235,34 @@ def test_kill_9_at_a_random_moment_keeps_every_committed_round_whole(tmp_path: P
         for r in rounds:
             assert r == make_round(r.index, n=25)
         assert st.routing_credits()[0] == {"hk0": float(last)}  # routing matches the last whole round
+
+
+def test_audits_and_strikes_round_trip_and_are_bounded(tmp_path: Path) -> None:
+    from scoring.store import StoredAudit
+
+    path = tmp_path / "v.sqlite"
+    with ScoreStore(path, keep_audits=5) as st:
+        assert st.load_strikes() == {} and st.recent_audits(10) == []
+        rows = [StoredAudit(float(i), f"hk{i % 2}", i % 2, i % 3 == 0, i % 4 != 0, None if i % 4 else "wrong_tokens",
+                            "d" * 600, 10 + i) for i in range(8)]
+        st.save_audits(rows[:4], {"hk0": {"recent": [1, 0], "quarantined_at": None, "clean_run": 0}})
+        st.save_audits(rows[4:], {"hk0": {"recent": [0, 0], "quarantined_at": 7.0, "clean_run": 0}})
+    with ScoreStore(path) as st:
+        kept = st.recent_audits(100)
+        assert [a.at for a in kept] == [3.0, 4.0, 5.0, 6.0, 7.0]  # the last keep_audits, oldest first
+        assert kept[1].failure == "wrong_tokens" and not kept[1].passed and kept[2].passed
+        assert len(kept[0].detail) == 500  # details are capped
+        assert [a.at for a in st.recent_audits(100, hotkey="hk1")] == [3.0, 5.0, 7.0]
+        assert st.load_strikes() == {"hk0": {"recent": [0, 0], "quarantined_at": 7.0, "clean_run": 0}}
+
+
+def test_a_schema_1_file_is_migrated_without_losing_rounds(tmp_path: Path) -> None:
+    path = tmp_path / "v.sqlite"
+    with ScoreStore(path) as st:
+        st.save_round(make_round(1), routing={"hk0": 0.3})
+        st._conn.execute("DROP TABLE audits")  # what a schema-1 file looks like
+        st._conn.execute("PRAGMA user_version = 1")
+    with ScoreStore(path) as st:
+        assert st._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert st.load_rounds(5) == [make_round(1)]
+        assert st.recent_audits(5) == []

@@ -42,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="OpenAI-compatible runtime to relay to (vLLM, SGLang, llama-server), e.g. http://127.0.0.1:8001")
     p.add_argument("--runtime.model", dest="runtime_model", default=None,
                    help="model name to put in requests to the runtime (default: keep the caller's)")
+    p.add_argument("--runtime.gguf", dest="runtime_gguf", default=None, metavar="PATH|packaged",
+                   help="serve a GGUF model in process on llama.cpp (needs '.[real]'): 'packaged' is the subnet's "
+                        "Gemma 3 270M; each slot gets its own context and --runtime.threads threads")
+    p.add_argument("--runtime.threads", dest="runtime_threads", type=int, default=1,
+                   help="CPU threads per slot of --runtime.gguf")
     p.add_argument("--runtime.sim", dest="runtime_sim", default="rtx5090",
                    help="simulated card when no --runtime.url: NAME or NAME:key=value,... (e.g. rtx5090-slow)")
     p.add_argument("--runtime.seed", dest="runtime_seed", type=int, default=None, help="seed of the simulated card")
@@ -57,7 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.slots < 1:
         p.error("--slots must be >= 1")
-    if args.runtime_url is None:
+    if args.runtime_url and args.runtime_gguf:
+        p.error("--runtime.url and --runtime.gguf are two runtimes: pass one")
+    if args.runtime_url is None and args.runtime_gguf is None:
         try:
             parse_profile(args.runtime_sim)
         except ValueError as e:
@@ -80,7 +87,25 @@ async def _run(args: argparse.Namespace) -> int:
             from .runtimes.proxy import ProxyRuntime
 
             session = await stack.enter_async_context(aiohttp.ClientSession())
-            runtime = ProxyRuntime(args.runtime_url, session, model=args.runtime_model)
+            proxy = ProxyRuntime(args.runtime_url, session, model=args.runtime_model)
+            await proxy.start()
+            if not proxy.health().ok:
+                logger.warning("runtime {}: {} (serving anyway; /health says so)", args.runtime_url,
+                               proxy.health().detail)
+            runtime = proxy
+        elif args.runtime_gguf:
+            from ..model.packaged import ModelUnavailable
+            from .runtimes.llama import LlamaRuntime
+
+            try:
+                llama = LlamaRuntime(args.model_file, slots=args.slots, threads=args.runtime_threads,
+                                     seed=args.runtime_seed)
+                await llama.start()
+            except ModelUnavailable as e:
+                logger.error("{}", e)
+                return 2
+            stack.push_async_callback(llama.aclose)
+            runtime = llama
         else:
             rng = random.Random(args.runtime_seed) if args.runtime_seed is not None else None
             runtime = SimulatedRuntime(parse_profile(args.runtime_sim), rng=rng)
@@ -123,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level=args.log_level.upper(),
                format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    if args.runtime_gguf:  # found (and assembled, for the packaged model) before the event loop starts
+        from pathlib import Path
+
+        from ..model.packaged import ModelUnavailable, model_path
+
+        try:
+            args.model_file = model_path() if args.runtime_gguf == "packaged" else Path(args.runtime_gguf).expanduser()
+        except ModelUnavailable as e:
+            logger.error("{}", e)
+            return 2
     try:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:

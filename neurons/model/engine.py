@@ -122,23 +122,26 @@ class LlamaEngine:
         out = np.empty((len(completion_ids) + 1, self.vocab_size), dtype=np.float32)
         self._llm.reset()
         lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
-        batch = lib.llama_batch_init(_FORCE_BATCH, 0, 1)
+        batch = lib.llama_batch_init(_PROMPT_BATCH, 0, 1)
         try:
-            for start in range(0, len(tokens), _FORCE_BATCH):
-                part = tokens[start:start + _FORCE_BATCH]
-                batch.n_tokens = len(part)
-                for i, t in enumerate(part):
-                    batch.token[i] = t
-                    batch.pos[i] = start + i
+            # the prompt without logits in large batches, then the rows that need logits in small ones
+            spans = [(start, min(first, start + _PROMPT_BATCH)) for start in range(0, first, _PROMPT_BATCH)]
+            spans += [(start, min(len(tokens), start + _FORCE_BATCH)) for start in range(first, len(tokens),
+                                                                                        _FORCE_BATCH)]
+            for lo, hi in spans:
+                batch.n_tokens = hi - lo
+                for i in range(hi - lo):
+                    batch.token[i] = tokens[lo + i]
+                    batch.pos[i] = lo + i
                     batch.n_seq_id[i] = 1
                     batch.seq_id[i][0] = 0
-                    batch.logits[i] = start + i >= first
+                    batch.logits[i] = lo + i >= first
                 rc = lib.llama_decode(ctx, batch)
                 if rc != 0:
                     raise RuntimeError(f"llama_decode failed ({rc})")
-                for i in range(max(0, first - start), len(part)):
+                for i in range(max(0, first - lo), hi - lo):
                     ptr = lib.llama_get_logits_ith(ctx, i)
-                    out[start + i - first] = np.ctypeslib.as_array(
+                    out[lo + i - first] = np.ctypeslib.as_array(
                         ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
         finally:
             lib.llama_batch_free(batch)
@@ -146,7 +149,8 @@ class LlamaEngine:
         return out
 
 
-_FORCE_BATCH = 64  # tokens per decode call when forcing: bounds llama.cpp's output buffer to 64 rows
+_FORCE_BATCH = 64  # tokens per decode call that want logits: bounds llama.cpp's output buffer to 64 rows
+_PROMPT_BATCH = 512  # prompt tokens per decode call (no logits): the context's n_batch
 
 
 class EngineThread:

@@ -66,6 +66,10 @@ class AuditBands:
     greedy_hard_gap: float = 4.0
     z_limit: float = 6.0
     head: int = 8
+    # Logit noise (nats) between the reference's batched pass and a runtime's token-by-token decoding,
+    # scaled by 1/temperature into each position's variance: without it honest answers at temperature
+    # 0.2 reached |z| 9.5 (sd 2.2) on Gemma 3 270M while at 0.7-1.2 the sd was ~1.
+    logit_noise: float = 0.15
     nucleus_miss_share: float = 0.05
     min_stop_prob: float = 1e-4
 
@@ -74,6 +78,9 @@ class AuditBands:
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ValueError(f"AuditBands.{name} must be a positive number, got {v!r}")
+        if not (isinstance(self.logit_noise, int | float) and math.isfinite(self.logit_noise)
+                and self.logit_noise >= 0):
+            raise ValueError(f"AuditBands.logit_noise must be >= 0, got {self.logit_noise!r}")
         for name in ("greedy_miss_share", "nucleus_miss_share"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and 0.0 <= v <= 1.0):
@@ -152,10 +159,11 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
             if miss_share > bands.nucleus_miss_share:
                 return _fail(AuditFailure.IMPLAUSIBLE, f"{int(outside.sum())}/{n} tokens outside top_p",
                              miss_share=miss_share)
-            z = _z(scores, ~outside)
+            noise = (bands.logit_noise / answer.sampling.temperature) ** 2
+            z = _z(scores, ~outside, noise)
             head = ~outside
             head[bands.head:] = False
-            z_head = _z(scores, head)
+            z_head = _z(scores, head, noise)
             if abs(z) > bands.z_limit or abs(z_head) > bands.z_limit:
                 return _fail(AuditFailure.IMPLAUSIBLE, f"z-score {z:+.1f} (first {bands.head} tokens {z_head:+.1f}) "
                                                        "under the asked distribution", z=z, miss_share=miss_share)
@@ -171,9 +179,9 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
     return Verdict(True, tokens=n, z=z, miss_share=miss_share, z_head=z_head, stop_logp=scores.stop_logp)
 
 
-def _z(scores: ForcedScores, mask: npt.NDArray[np.bool_]) -> float:
-    """``sum(logp - mean) / sqrt(sum var)`` over the masked positions (0 for none)."""
+def _z(scores: ForcedScores, mask: npt.NDArray[np.bool_], noise: float) -> float:
+    """``sum(logp - mean) / sqrt(sum (var + noise))`` over the masked positions (0 for none)."""
     if not mask.any():
         return 0.0
-    spread = math.sqrt(float(scores.var[mask].sum()) + 1e-6 * int(mask.sum()))
+    spread = math.sqrt(float(scores.var[mask].sum()) + (noise + 1e-6) * int(mask.sum()))
     return float((scores.logp[mask] - scores.mean[mask]).sum()) / spread

@@ -1,0 +1,120 @@
+"""The auditor off the hot path, with a scripted reference (the real one is in test_real_model.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from gateway.protocol.sampling import SamplingParams
+from neurons.validator.auditor import Auditor
+from scoring.audit import AuditBands, AuditFailure, StrikeBook, StrikePolicy, Verdict
+from scoring.measurement import Answer, FailureReason, Measurement
+
+
+class ScriptedReference:
+    """Verdicts by hotkey: 'cheat' fails, 'boom' raises, 'long' cannot be replayed, others pass."""
+
+    name = "scripted"
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.seen: list[str] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def audit(self, answer: Answer, bands: AuditBands) -> Verdict | None:
+        await asyncio.sleep(self.delay)
+        hk = answer.messages[0]["content"]
+        self.seen.append(hk)
+        if hk == "boom":
+            raise RuntimeError("reference fell over")
+        if hk == "long":
+            return None
+        if hk == "cheat":
+            return Verdict(False, AuditFailure.WRONG_TOKENS, "scripted")
+        return Verdict(True, tokens=len(answer.token_ids or ()))
+
+    async def aclose(self) -> None:
+        return None
+
+
+def m(hotkey: str, *, probe: bool = False, ok: bool = True, uid: int = 1) -> Measurement:
+    a = Answer(messages=[{"role": "user", "content": hotkey}], sampling=SamplingParams(), max_tokens=8, stop=(),
+               text="abc", token_ids=(1, 2, 3), finish_reason="length")
+    return Measurement(uid=uid, hotkey=hotkey, in_flight=0, prompt_tokens=4, max_tokens=8, ttft_s=0.1, latency_s=0.3,
+                       completion_tokens=9, ok=ok, probe=probe, answer=a if ok else None,
+                       failure=None if ok else FailureReason.DROPPED)
+
+
+async def _settle(auditor: Auditor) -> list[Measurement]:
+    task = asyncio.create_task(auditor.run())
+    try:
+        for _ in range(200):
+            if auditor.backlog == 0 and auditor.counts["sampled"] == sum(
+                    auditor.counts[k] for k in ("passed", "failed", "unauditable", "errors")):
+                break
+            await asyncio.sleep(0.01)
+        return auditor.ready()
+    finally:
+        task.cancel()
+
+
+async def test_probes_always_organic_by_rate_and_verdicts_decide_pay() -> None:
+    ref = ScriptedReference()
+    auditor = Auditor(ref, AuditBands(), StrikeBook(), rate=0.0, rng=random.Random(1))
+    assert not auditor.take(m("honest"))  # organic at rate 0: paid as measured, never held
+    assert auditor.take(m("honest", probe=True))
+    assert auditor.take(m("cheat", probe=True, uid=2))
+    assert not auditor.take(m("honest", probe=True, ok=False))  # failures have no answer to audit
+    done = {x.hotkey: x for x in await _settle(auditor)}
+    assert done["honest"].ok and done["honest"].audited and done["honest"].completion_tokens == 3  # verified ids
+    assert not done["cheat"].ok and done["cheat"].failure == FailureReason.AUDIT_FAILED
+    assert [o.passed for o in auditor.outcomes] == [True, False]
+
+
+async def test_reference_trouble_is_never_the_miners() -> None:
+    auditor = Auditor(ScriptedReference(), AuditBands(), StrikeBook(), rate=1.0)
+    for hk in ("boom", "long"):
+        assert auditor.take(m(hk))
+    done = await _settle(auditor)
+    assert all(x.ok and not x.audited for x in done) and len(done) == 2
+    assert auditor.counts["errors"] == 1 and auditor.counts["unauditable"] == 1
+    assert not auditor.book.records  # no strike, no pass: nothing was judged
+
+
+async def test_a_full_queue_pays_unaudited_and_counts_the_drop() -> None:
+    auditor = Auditor(ScriptedReference(delay=0.05), AuditBands(), StrikeBook(), rate=1.0, max_queue=2)
+    taken = [auditor.take(m("honest")) for _ in range(5)]
+    assert taken == [True, True, False, False, False]
+    assert auditor.counts["dropped"] == 3 and auditor.counts["sampled"] == 2
+
+
+async def test_strikes_quarantine_and_every_answer_of_a_quarantined_miner_is_audited() -> None:
+    auditor = Auditor(ScriptedReference(), AuditBands(), StrikeBook(StrikePolicy(window=5, threshold=2)),
+                      rate=0.0)
+    for _ in range(2):
+        assert auditor.take(m("cheat", probe=True))
+    await _settle(auditor)
+    assert auditor.book.quarantined() == {"cheat"} and auditor.quarantine_changed
+    assert auditor.take(m("cheat"))  # organic, rate 0, but quarantined: audited
+
+
+async def test_the_gateway_routes_around_a_quarantined_miner(make_gateway: Any, make_miner: Any) -> None:
+    """Quarantine reaches routing: through the real gateway, a quarantined miner gets no organic request."""
+    from tests.fakes import Script
+
+    honest, cheat = await make_miner(Script("ok"), tag="h-"), await make_miner(Script("ok"), tag="c-")
+    h = await make_gateway([honest, cheat])
+    assert h.router is not None
+    book = StrikeBook(StrikePolicy(window=5, threshold=1))
+    book.record(cheat.hotkey, passed=False, at=1.0)
+    h.router.set_quarantined(book.quarantined())
+    served = set()
+    for _ in range(12):
+        async with h.chat({"model": "tensorgate/sim-5090", "messages": [{"role": "user", "content": "x"}],
+                           "max_tokens": 4}) as r:
+            assert r.status == 200
+            served.add(r.headers["X-Tensorgate-Miner-Uid"])
+    assert served == {str(next(x.uid for x in h.router.miners() if x.hotkey == honest.hotkey))}
