@@ -3,7 +3,9 @@
 A request holds exactly one router lease at a time, released in ``finally`` on every path. Until the
 first content chunk has arrived nothing is sent to the client, so a miner that is busy (429), dead,
 slow to start or broken is released and another is tried (``exclude`` = the miners tried), up to
-``max_retries`` times. From the first content chunk on, the request belongs to that miner: a
+``max_retries`` times. A miner that refuses the request as the client's fault (the model's context is
+too small) is believed only when a second miner says the same, or when no other miner could answer:
+one miner's word must not turn a client away. From the first content chunk on, the request belongs to that miner: a
 failure ends the stream with an error event and ``[DONE]`` — never a hang, never a second miner's
 tokens spliced in. A client that disconnects has its handler cancelled by the server
 (:mod:`gateway.asgi`), so the upstream request is cancelled at once and the miner's slot freed.
@@ -78,6 +80,7 @@ class Relay:
         payload = req.upstream_payload()
         tried: set[int] = set()
         failures: list[UpstreamError] = []
+        rejected: list[UpstreamError] = []  # miners that called the request the client's fault
         for _ in range(1 + max(0, self.config.max_retries)):
             lease = self.router.acquire(exclude=tried)
             if lease is None:
@@ -88,10 +91,11 @@ class Relay:
                 try:
                     stream = await self.upstream.open(lease, payload, timeouts=self.config.timeouts)
                 except UpstreamError as e:
-                    if e.reason == FailureReason.CLIENT_REJECTED:  # every miner would: the client's 400, at once
-                        self.outcomes["400"] += 1
-                        raise bad_request(f"the model cannot serve this request: {e.detail}",
-                                          code="context_length_exceeded") from None
+                    if e.reason == FailureReason.CLIENT_REJECTED:
+                        rejected.append(e)
+                        if len(rejected) >= 2:  # two miners agree: the client's 400
+                            raise self._rejected(rejected) from None
+                        continue  # one miner's word is not enough to refuse a client: ask another
                     failures.append(e)
                     continue
                 async with stream:
@@ -107,7 +111,14 @@ class Relay:
                     return
             finally:
                 self.router.release(lease, served=served)
+        if rejected and not failures:
+            raise self._rejected(rejected)  # no other miner was there to say otherwise
         raise _exhausted(failures)
+
+    def _rejected(self, rejected: list[UpstreamError]) -> GatewayError:
+        self.outcomes["400"] += 1
+        return bad_request(f"the model cannot serve this request: {rejected[-1].detail}",
+                           code="context_length_exceeded")
 
     def _served_by(self, stream: UpstreamStream) -> dict[str, Any]:
         return {"miner_uid": stream.uid, "miner_hotkey": stream.hotkey}

@@ -182,9 +182,23 @@ async def test_a_request_the_model_cannot_serve_is_the_clients_400_not_the_miner
         assert r.status == 400
         err = await error_of(r)
     assert err["code"] == "context_length_exceeded" and "maximum context length" in err["message"]
-    assert too_long.requests + other.requests == 1  # no other miner is tried: each would refuse it too
-    [m] = h.measurements()
-    assert m.failure == FailureReason.CLIENT_REJECTED and not m.failure.blames_miner
+    assert too_long.requests == other.requests == 1  # two miners agreed; no third is asked
+    ms = h.measurements()
+    assert [m.failure for m in ms] == [FailureReason.CLIENT_REJECTED] * 2
+    assert not any(m.failure.blames_miner for m in ms if m.failure)
+
+
+async def test_one_miners_claim_that_the_client_is_at_fault_is_checked_with_another(make_miner, make_gateway):
+    liar = await make_miner(Script("too_long"), tag="a-")
+    honest = await make_miner(Script("ok"), tag="b-")
+    h = await make_gateway([liar, honest], max_retries=2)
+    for _ in range(6):
+        async with h.chat(body()) as r:
+            assert r.status == 200  # whichever is asked first, the honest miner serves it
+            await read_sse(r)
+    alone = await make_gateway([await make_miner(Script("too_long"), tag="c-")], max_retries=2)
+    async with alone.chat(body()) as r:
+        assert r.status == 400  # no other miner to ask: the one answer there is
 
 
 async def test_disconnect_mid_stream_frees_both_sides(make_miner, make_gateway):
