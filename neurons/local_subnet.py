@@ -106,7 +106,8 @@ async def _runtime(cfg: ValidatorConfig, i: int, rng: random.Random, subnet_runt
         from .model.packaged import model_path
 
         cheat = cfg.local_cheats[i - cfg.local_miners] if i >= cfg.local_miners else None
-        rt = LlamaRuntime(model_path(), slots=1, threads=1, model=cfg.models[0], seed=rng.getrandbits(32),
+        path = await asyncio.to_thread(model_path)  # assembles the packaged model once (hashing ~250 MB)
+        rt = LlamaRuntime(path, slots=1, threads=1, model=cfg.models[0], seed=rng.getrandbits(32),
                           generate=CHEATS[cheat] if cheat else None)
         subnet_runtimes.append(rt)
         await rt.start()

@@ -3,7 +3,7 @@
 Credit compares what a miner delivers with what an honest card of the subnet's class delivers
 (:class:`~scoring.credit.CreditConfig`). That bar belongs to the hardware, not to the code: an RTX
 5090 bar scores a correct CPU runtime 0 on every request, and a CPU bar pays a 5090 for idling. So
-the bar is a named profile, and a new one is *measured*, not typed: ``python -m scripts.calibrate``
+the bar is a named profile, and a new one is *measured*, not typed: ``python scripts/calibrate.py``
 runs the reference runtime and writes a JSON file this module loads.
 
 Example::
@@ -47,7 +47,7 @@ def load_profile(spec: str) -> CreditConfig:
     path = Path(spec).expanduser()
     if not path.suffix == ".json" and not path.exists():
         raise ProfileError(f"unknown credit profile {spec!r}: one of {', '.join(sorted(PROFILES))}, "
-                           "or a JSON file from 'python -m scripts.calibrate'")
+                           "or a JSON file from 'python scripts/calibrate.py'")
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:

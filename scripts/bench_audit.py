@@ -83,7 +83,7 @@ async def run(args: argparse.Namespace) -> int:
     path = model_path()
     miner = EngineThread("miner")
     await miner.load(path, n_ctx=2048, threads=1)
-    ref = LlamaReference(path, n_ctx=4096, threads=1)
+    ref = LlamaReference(path, n_ctx=4096, threads=1)  # the same file the miner loaded
     await ref.start()
     bands = AuditBands()
     prompts = PromptGenerator(random.Random(args.seed), MIXES["cpu"])

@@ -98,6 +98,34 @@ def test_cli_flags_in_bittensor_conventions(tmp_path: Path) -> None:
     assert cfg.gateway_host == "127.0.0.1"  # loopback by default
 
 
+def test_audit_and_real_mode_flags(tmp_path: Path) -> None:
+    cfg = parse_args(["--audit.model", str(tmp_path / "m.gguf"), "--audit.rate", "0.25", "--audit.queue", "9",
+                      "--credit.profile", "cpu-gemma270m", "--probes.mix", "cpu"])
+    assert (cfg.audit_model, cfg.audit_rate, cfg.audit_queue) == (str(tmp_path / "m.gguf"), 0.25, 9)
+    assert (cfg.credit_profile, cfg.prompt_mix) == ("cpu-gemma270m", "cpu")
+    real = parse_args(["--local", "--local.runtime", "real", "--local.cheat", "random", "--local.cheat", "hot",
+                       "--local.miner-url", "127.0.0.1:8099"])
+    assert real.local_cheats == ["random", "hot"] and real.local_miner_urls == ["127.0.0.1:8099"]
+    for bad in (["--local", "--local.cheat", "random"],  # cheats need the real model
+                ["--local", "--audit.model", "packaged"],  # simulated cards cannot pass an audit
+                ["--local.cheat", "nonsense"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_real_mode_moves_defaults_to_the_cpu() -> None:
+    from neurons.local_subnet import local_config
+
+    cfg = local_config(ValidatorConfig(local=True, local_runtime="real"))
+    assert (cfg.credit_profile, cfg.audit_model, cfg.prompt_mix, cfg.local_miners) == (
+        "cpu-gemma270m", "packaged", "cpu", 2)
+    assert cfg.models == ["gemma-3-270m-q4_k_m"] and cfg.local_traffic_rps == 0.3
+    kept = local_config(ValidatorConfig(local=True, local_runtime="real", credit_profile="/x.json", local_miners=3))
+    assert kept.credit_profile == "/x.json" and kept.local_miners == 3  # what the operator chose stays
+    sim = local_config(ValidatorConfig(local=True))
+    assert (sim.credit_profile, sim.audit_model, sim.prompt_mix) == ("rtx5090", "none", "gpu")
+
+
 class FakeChain:
     """A scripted Chain for the weights loop: refusals first, then success."""
 

@@ -37,7 +37,6 @@ from scoring.profiles import load_profile
 from scoring.scorer import Scorer
 
 from ..chain.base import Chain
-from ..model.packaged import ModelUnavailable, model_path
 from .auditor import Auditor
 from .config import ValidatorConfig
 from .neuron import Validator
@@ -120,13 +119,9 @@ def build_parts(
 
 
 def _reference(cfg: ValidatorConfig) -> Reference:
-    """The reference ``cfg.audit_model`` names: the packaged model, or a GGUF file of the subnet's model."""
-    if cfg.audit_model == "packaged":
-        path = model_path()
-    else:
-        path = Path(cfg.audit_model).expanduser()
-        if not path.is_file():
-            raise ModelUnavailable(f"--audit.model {cfg.audit_model}: no such file")
+    """The reference ``cfg.audit_model`` names: the packaged model, or a GGUF file of the subnet's model
+    (found and loaded in ``start``: building does no I/O)."""
+    path = None if cfg.audit_model == "packaged" else Path(cfg.audit_model).expanduser()
     return LlamaReference(path, n_ctx=cfg.audit_context, threads=cfg.audit_threads)
 
 

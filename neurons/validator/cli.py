@@ -1,7 +1,7 @@
 """``python -m neurons.validator``: parse flags, then run the validator on a chain or the embedded local subnet.
 
-Operator mistakes (no wallet, unregistered hotkey, unreachable network, a corrupt state file) end with
-one clear line and exit code 2, not a traceback.
+Operator mistakes (no wallet, unregistered hotkey, unreachable network, a corrupt state file, a missing
+reference model or credit profile) end with one clear line and exit code 2, not a traceback.
 """
 
 from __future__ import annotations
@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point (``tensorgate-validator``)."""
     from scoring.store import StateError
 
+    from scoring.profiles import ProfileError
+
     from ..chain.subtensor import ChainSeamError
     from ..keys import MissingKeyError
+    from ..model.packaged import ModelUnavailable
 
     cfg = parse_args(argv)
     _configure_logging(cfg.log_level)
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         logger.info("stopped")
         return 0
-    except (MissingKeyError, ChainSeamError, StateError) as e:
+    except (MissingKeyError, ChainSeamError, StateError, ModelUnavailable, ProfileError) as e:
         logger.error("{}", e)
         return 2
 

@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="request sizes of probes: gpu (up to 3.5k-token prompts, 512-token answers) or cpu")
     sc.add_argument("--credit.profile", dest="credit_profile", default=d.credit_profile,
                     help="speed bar for full credit: rtx5090, cpu-gemma270m, or a JSON file written by "
-                         "'python -m scripts.calibrate'")
+                         "'python scripts/calibrate.py'")
     au = p.add_argument_group("verified inference (audits)")
     au.add_argument("--audit.model", dest="audit_model", default=d.audit_model,
                     help="reference model that audits answers: none | packaged (Gemma 3 270M from '.[real]') | "
@@ -164,6 +164,9 @@ def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
         values["models"] = [DEFAULT_MODEL]
     values["state_dir"] = Path(os.path.expanduser(str(values["state_dir"])))
     cfg = ValidatorConfig(**values)
+    if cfg.local and cfg.local_runtime == "sim" and cfg.audit_model != "none":
+        build_parser().error("--audit.model with simulated miners would fail every answer (a simulated card has no "
+                             "model): use --local.runtime real")
     if cfg.local_cheats and cfg.local_runtime != "real":
         build_parser().error("--local.cheat needs --local.runtime real (a simulated card has no model to cheat with)")
     if cfg.local and cfg.state_dir == ValidatorConfig().state_dir:

@@ -12,7 +12,7 @@ which llama.cpp runs on the CPU, or on a GPU with a CUDA build of ``llama-cpp-py
 
 Example::
 
-    ref = LlamaReference(model_path())
+    ref = LlamaReference()                  # the packaged model; or LlamaReference(Path("subnet-model.gguf"))
     await ref.start()
     verdict = await ref.audit(measurement.answer, AuditBands())   # None: too long to replay here
     await ref.aclose()
@@ -20,12 +20,13 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from typing import Protocol
 
 from neurons.model.engine import EngineThread, LlamaEngine
-from neurons.model.packaged import MODEL_ID
+from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
 from scoring.audit import AuditBands, Verdict, check_ids, force, judge
 from scoring.measurement import Answer
 
@@ -43,17 +44,24 @@ class Reference(Protocol):
 
 
 class LlamaReference:
-    """The subnet's model on llama.cpp, on a thread of its own."""
+    """The subnet's model on llama.cpp, on a thread of its own.
 
-    def __init__(self, path: Path, *, n_ctx: int = 4096, threads: int = 1, model: str = MODEL_ID) -> None:
-        self.name = f"llama.cpp:{model}"
+    ``path`` None is the packaged model; either way the file is found (and the packaged one assembled)
+    in :meth:`start`, on that thread, so building a validator does no I/O.
+    """
+
+    def __init__(self, path: Path | None = None, *, n_ctx: int = 4096, threads: int = 1) -> None:
+        self.name = f"llama.cpp:{MODEL_ID if path is None else path.name}"
         self._path = path
         self._n_ctx = n_ctx
         self._threads = threads
         self._worker = EngineThread("reference")
 
     async def start(self) -> None:
-        await self._worker.load(self._path, n_ctx=self._n_ctx, threads=self._threads)
+        path = self._path if self._path is not None else await asyncio.to_thread(model_path)
+        if not await asyncio.to_thread(path.is_file):
+            raise ModelUnavailable(f"reference model {path}: no such file")
+        await self._worker.load(path, n_ctx=self._n_ctx, threads=self._threads)
 
     async def audit(self, answer: Answer, bands: AuditBands) -> Verdict | None:
         return await self._worker.run(_audit, answer, bands)
