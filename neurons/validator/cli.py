@@ -39,9 +39,8 @@ async def _run_network(cfg: ValidatorConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (``tensorgate-validator``)."""
-    from scoring.store import StateError
-
     from scoring.profiles import ProfileError
+    from scoring.store import StateError
 
     from ..chain.subtensor import ChainSeamError
     from ..keys import MissingKeyError
