@@ -110,6 +110,9 @@ def test_end_rules() -> None:
     assert judge(s, checked(s), scores(3, stop_logp=-3.0), b).passed  # p = 5 %: a plausible draw
     v = judge(s, checked(s), scores(3, stop_logp=-15.0), b)
     assert v.failure == AuditFailure.EARLY_STOP
+    for other in ("content_filter", None):  # an end without "stop" is still a stop the model must have chosen
+        o = dataclasses.replace(a, finish_reason=other)
+        assert judge(o, checked(o), scores(3, stop_gap=5.0), b).failure == AuditFailure.EARLY_STOP
     client_stop = answer(finish="stop", stop=("\n",))
     assert judge(client_stop, checked(client_stop), scores(3, stop_gap=9.0), b).passed  # the client's own stop
     length = answer(finish="length", max_tokens=16)

@@ -118,3 +118,54 @@ async def test_the_gateway_routes_around_a_quarantined_miner(make_gateway: Any, 
             assert r.status == 200
             served.add(r.headers["X-Tensorgate-Miner-Uid"])
     assert served == {str(next(x.uid for x in h.router.miners() if x.hotkey == honest.hotkey))}
+
+
+async def test_reference_service_round_trip_key_and_bad_requests() -> None:
+    """--audit.url: the same verdicts over HTTP; a bad body is a 400, a missing key a 401, never a crash."""
+    import aiohttp
+
+    from neurons.model.packaged import ModelUnavailable
+    from neurons.reference.protocol import AUDIT_PATH, decode_request, encode_request
+    from neurons.reference.server import start_reference_service
+    from neurons.validator.reference import RemoteReference
+
+    runner, port = await start_reference_service(ScriptedReference(), key="k1")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ref = RemoteReference(url, key="k1")
+        await ref.start()
+        try:
+            ok = await ref.audit(m("honest").answer, AuditBands())  # type: ignore[arg-type]
+            assert ok is not None and ok.passed and ok.tokens == 3
+            bad = await ref.audit(m("cheat").answer, AuditBands(z_limit=7.0))  # type: ignore[arg-type]
+            assert bad is not None and bad.failure == AuditFailure.WRONG_TOKENS
+            assert await ref.audit(m("long").answer, AuditBands()) is None  # type: ignore[arg-type]
+        finally:
+            await ref.aclose()
+        wrong_key = RemoteReference(url, key="nope")
+        await wrong_key.start()  # /health needs no key
+        try:
+            try:
+                await wrong_key.audit(m("honest").answer, AuditBands())  # type: ignore[arg-type]
+                raise AssertionError("a wrong key was accepted")
+            except RuntimeError as e:
+                assert "401" in str(e)
+        finally:
+            await wrong_key.aclose()
+        async with aiohttp.ClientSession() as s:
+            for body in (b"{", b'{"answer": {"messages": "x"}}', b'{"answer": {"messages": [], "max_tokens": 0}}'):
+                async with s.post(url + AUDIT_PATH, data=body, headers={"Authorization": "Bearer k1"}) as r:
+                    assert r.status == 400 and "message" in (await r.json())["error"]
+        a = m("honest").answer
+        assert a is not None
+        import json
+
+        assert decode_request(json.loads(encode_request(a, AuditBands(z_limit=5.0)))) == (a, AuditBands(z_limit=5.0))
+    finally:
+        await runner.cleanup()
+    gone = RemoteReference(url)
+    try:
+        await gone.start()
+        raise AssertionError("an unreachable service started")
+    except ModelUnavailable:
+        pass

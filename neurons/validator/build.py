@@ -42,7 +42,7 @@ from .config import ValidatorConfig
 from .neuron import Validator
 from .probes import ProbeRunner
 from .prompts import MIXES, PromptGenerator
-from .reference import LlamaReference, Reference
+from .reference import LlamaReference, Reference, RemoteReference
 
 
 @dataclass
@@ -96,7 +96,7 @@ def build_parts(
     router = router if router is not None else Router(rng=random.Random(seed_rng.random()))
     client = MinerClient()
     measurements = MeasurementQueue()
-    if reference is None and cfg.audit_model != "none":
+    if reference is None and (cfg.audit_model != "none" or cfg.audit_url):
         reference = _reference(cfg)
     limits = UpstreamLimits(keep_answers=reference is not None)
     upstream = Upstream(client, RequestSigner(keypair), sink if sink is not None else measurements,
@@ -121,6 +121,8 @@ def build_parts(
 def _reference(cfg: ValidatorConfig) -> Reference:
     """The reference ``cfg.audit_model`` names: the packaged model, or a GGUF file of the subnet's model
     (found and loaded in ``start``: building does no I/O)."""
+    if cfg.audit_url:
+        return RemoteReference(cfg.audit_url)
     path = None if cfg.audit_model == "packaged" else Path(cfg.audit_model).expanduser()
     return LlamaReference(path, n_ctx=cfg.audit_context, threads=cfg.audit_threads)
 

@@ -45,6 +45,7 @@ class ValidatorConfig:
     credit_profile: str = "rtx5090"  # the card whose speed earns full credit (a name, or a calibrated JSON file)
     # Verified inference: the reference that audits answers ("none", "packaged", or a GGUF file path).
     audit_model: str = "none"
+    audit_url: str | None = None  # a reference service (python -m neurons.reference) instead of a model in process
     audit_rate: float = 0.1
     audit_queue: int = 256
     audit_threads: int = 1
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--audit.model", dest="audit_model", default=d.audit_model,
                     help="reference model that audits answers: none | packaged (Gemma 3 270M from '.[real]') | "
                          "path to a GGUF file of the subnet's model")
+    au.add_argument("--audit.url", dest="audit_url", default=None,
+                    help="a reference service ('python -m neurons.reference', e.g. on a GPU box) instead of "
+                         "--audit.model in process; $TENSORGATE_AUDIT_KEY is its bearer key when set")
     au.add_argument("--audit.rate", dest="audit_rate", type=float, default=d.audit_rate,
                     help="share of organic answers audited (probes are always audited)")
     au.add_argument("--audit.queue", dest="audit_queue", type=int, default=d.audit_queue,
@@ -164,7 +168,9 @@ def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
         values["models"] = [DEFAULT_MODEL]
     values["state_dir"] = Path(os.path.expanduser(str(values["state_dir"])))
     cfg = ValidatorConfig(**values)
-    if cfg.local and cfg.local_runtime == "sim" and cfg.audit_model != "none":
+    if cfg.audit_url and cfg.audit_model != "none":
+        build_parser().error("--audit.url and --audit.model are two references: pass one")
+    if cfg.local and cfg.local_runtime == "sim" and (cfg.audit_model != "none" or cfg.audit_url):
         build_parser().error("--audit.model with simulated miners would fail every answer (a simulated card has no "
                              "model): use --local.runtime real")
     if cfg.local_cheats and cfg.local_runtime != "real":

@@ -9,6 +9,8 @@ relays streams.
 ``LlamaReference`` loads a GGUF file into llama.cpp: by default the packaged Gemma 3 270M (the local
 subnet's model); on a real subnet, the operator's copy of the subnet's model (``--audit.model``),
 which llama.cpp runs on the CPU, or on a GPU with a CUDA build of ``llama-cpp-python``.
+``RemoteReference`` sends each answer to that same code run as a service elsewhere (``--audit.url``,
+``python -m neurons.reference``).
 
 Example::
 
@@ -22,11 +24,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 from pathlib import Path
 from typing import Protocol
 
+import aiohttp
+
 from neurons.model.engine import EngineThread, LlamaEngine
 from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
+from neurons.reference.protocol import AUDIT_PATH, KEY_ENV, encode_request, verdict_from_json
 from scoring.audit import AuditBands, Verdict, check_ids, force, judge
 from scoring.measurement import Answer
 
@@ -68,6 +75,49 @@ class LlamaReference:
 
     async def aclose(self) -> None:
         self._worker.close()
+
+
+class RemoteReference:
+    """A reference service (``python -m neurons.reference``) at ``url``, e.g. on a GPU box of the operator's.
+
+    Any failure to get a verdict (unreachable, timeout, a malformed reply) raises, which the auditor
+    counts as a reference error: the answer is paid as measured, the miner never blamed.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 120.0, key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.name = f"service at {self.url}"
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._key = key if key is not None else os.environ.get(KEY_ENV) or None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        try:
+            async with self._session.get(self.url + "/health") as r:
+                if r.status != 200:
+                    raise ModelUnavailable(f"reference service {self.url}: /health answered HTTP {r.status}")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            await self.aclose()
+            raise ModelUnavailable(f"reference service {self.url} unreachable: {e!r}") from None
+
+    async def audit(self, answer: Answer, bands: AuditBands) -> Verdict | None:
+        if self._session is None:
+            raise RuntimeError("reference service not started")
+        headers = {"Content-Type": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        async with self._session.post(self.url + AUDIT_PATH, data=encode_request(answer, bands),
+                                      headers=headers) as r:
+            body = await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"reference service answered HTTP {r.status}: {body[:200]!r}")
+        return verdict_from_json(json.loads(body))
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 def _audit(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> Verdict | None:

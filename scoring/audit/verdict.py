@@ -15,11 +15,11 @@ Pure rules, in the order they are checked:
      tokens alone (where the prompt weighs most, so an answer to another prompt shows most). Honest
      draws centre on 0; random or cached words, a truncated prompt or another model fall below;
      greedy-when-asked-to-sample (a cheaper setting) lands above. Tokens outside the asked nucleus count as misses too.
-3. **The end**: a ``stop`` the model did not choose (the reference gives the end-of-turn less than
-   ``min_stop_prob``, or, greedy, not within ``greedy_gap`` of its best) is an early stop; a
-   ``length`` before ``max_tokens`` tokens is a false length. A client's own ``stop`` strings end
-   answers where the model would go on, so such answers skip this check (the runtime strips the
-   string, and the reference cannot see it).
+3. **The end**: a ``stop`` (or any end but ``length``, a missing finish reason included) the model did
+   not choose (the reference gives the end-of-turn less than ``min_stop_prob``, or, greedy, not within
+   ``greedy_gap`` of its best) is an early stop; a ``length`` before ``max_tokens`` tokens is a false
+   length. A client's own ``stop`` strings end answers where the model would go on, so such answers
+   skip this check (the runtime strips the string, and the reference cannot see it).
 
 The bands were chosen from honest variance measured by ``scripts/bench_audit.py``; see the README.
 
@@ -167,7 +167,8 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
             if abs(z) > bands.z_limit or abs(z_head) > bands.z_limit:
                 return _fail(AuditFailure.IMPLAUSIBLE, f"z-score {z:+.1f} (first {bands.head} tokens {z_head:+.1f}) "
                                                        "under the asked distribution", z=z, miss_share=miss_share)
-    if answer.finish_reason == "stop" and n < answer.max_tokens and not answer.stop:
+    # any end but "length" (no finish reason at all, "content_filter", ...) before max_tokens is a stop
+    if answer.finish_reason != "length" and n < answer.max_tokens and not answer.stop:
         if greedy:
             early = scores.stop_gap > bands.greedy_gap
         else:

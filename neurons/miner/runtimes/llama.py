@@ -126,6 +126,9 @@ class LlamaRuntime:
             first = await items.get()
             if isinstance(first, BaseException):
                 raise _failure(first)
+            if not isinstance(first, int):
+                raise RuntimeFailure("runtime ended before the prompt was read", status=500, type="server_error",
+                                     code="runtime_error")
             prompt_tokens = int(first)
             yield frame(out.chunk({"role": "assistant"}, None))
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

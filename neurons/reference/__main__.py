@@ -1,0 +1,60 @@
+"""``python -m neurons.reference``: serve the audit reference for validators (``--audit.url``).
+
+Example::
+
+    python -m neurons.reference --model /models/subnet.gguf --host 0.0.0.0 --port 8100 --threads 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from pathlib import Path
+
+from loguru import logger
+
+from ..model.packaged import ModelUnavailable
+from ..validator.reference import LlamaReference
+from .server import start_reference_service
+
+
+async def _run(args: argparse.Namespace, path: Path | None) -> int:
+    try:
+        runner, port = await start_reference_service(LlamaReference(path, n_ctx=args.context, threads=args.threads),
+                                                     host=args.host, port=args.port)
+    except ModelUnavailable as e:
+        logger.error("{}", e)
+        return 2
+    logger.info("reference service on http://{}:{} (model {})", args.host, port, args.model)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m neurons.reference", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="packaged", help="GGUF file of the subnet's model, or 'packaged'")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of the model")
+    p.add_argument("--context", type=int, default=4096, help="context in tokens (longer answers are not audited)")
+    args = p.parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    try:
+        return asyncio.run(_run(args, None if args.model == "packaged" else Path(args.model).expanduser()))
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

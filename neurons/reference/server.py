@@ -1,0 +1,77 @@
+"""The reference service: ``POST /v1/audit`` replays one answer on the model, ``GET /health`` says if it can.
+
+One model context, one audit at a time (the :class:`~neurons.validator.reference.LlamaReference`
+thread); a validator's auditor sends one request at a time anyway. With ``TENSORGATE_AUDIT_KEY`` set,
+requests must carry it as a bearer key.
+
+Example::
+
+    runner, port = await start_reference_service(LlamaReference(path), port=8100)
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+
+from aiohttp import web
+from loguru import logger
+
+from ..validator.reference import Reference
+from .protocol import AUDIT_PATH, KEY_ENV, BadAuditRequest, decode_request, verdict_to_json
+
+MAX_BODY = 8 * 1024 * 1024  # a long prompt and answer, as JSON
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def reference_app(reference: Reference, key: str | None = None) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    ready = {"ok": False}
+
+    async def on_startup(_app: web.Application) -> None:
+        await reference.start()
+        ready["ok"] = True
+
+    async def on_cleanup(_app: web.Application) -> None:
+        await reference.aclose()
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok" if ready["ok"] else "loading", "reference": reference.name},
+                                 status=200 if ready["ok"] else 503)
+
+    async def audit(request: web.Request) -> web.Response:
+        if key is not None:
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return _error(401, "missing or wrong bearer key")
+        try:
+            answer, bands = decode_request(json.loads(await request.read()))
+        except (ValueError, UnicodeDecodeError) as e:  # BadAuditRequest and bad JSON alike
+            return _error(400, str(e) if isinstance(e, BadAuditRequest) else "body is not valid JSON")
+        try:
+            verdict = await reference.audit(answer, bands)
+        except Exception as e:
+            logger.opt(exception=e).warning("reference failed on an answer")
+            return _error(500, f"reference failed: {type(e).__name__}")
+        return web.json_response(verdict_to_json(verdict))
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_get("/health", health)
+    app.router.add_post(AUDIT_PATH, audit)
+    return app
+
+
+async def start_reference_service(reference: Reference, *, host: str = "127.0.0.1", port: int = 0,
+                                  key: str | None = None) -> tuple[web.AppRunner, int]:
+    """Serve ``reference`` (loaded before this returns); ``key`` defaults to ``$TENSORGATE_AUDIT_KEY``."""
+    runner = web.AppRunner(reference_app(reference, key if key is not None else os.environ.get(KEY_ENV) or None),
+                           access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1]
