@@ -14,7 +14,8 @@ Printed:
   figure), with the distributions the bands were chosen from (greedy: worst gap per answer;
   sampled: |z| per answer);
 * the detection rate of each cheating miner of :mod:`neurons.miner.runtimes.cheats` over
-  ``--per-cheat`` answers (target 100 %).
+  ``--per-cheat`` answers (target 100 %), by greedy and sampled requests, and the chance such a miner
+  is quarantined within 10 audits (2 strikes), computed from its measured per-answer rate.
 
 Requests come from the ``cpu`` prompt mix (probes' shapes; a quarter greedy, the rest temperature
 0.2-1.2), seeded.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 import statistics
 import sys
@@ -54,7 +56,7 @@ from neurons.model.engine import EngineThread, LlamaEngine  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
 from neurons.validator.prompts import MIXES, PromptGenerator  # noqa: E402
 from neurons.validator.reference import LlamaReference  # noqa: E402
-from scoring.audit import AuditBands, Verdict  # noqa: E402
+from scoring.audit import AuditBands, StrikePolicy, Verdict  # noqa: E402
 from scoring.measurement import Answer  # noqa: E402
 
 RATIO_TARGET = 0.5
@@ -164,18 +166,26 @@ def report(cases: list[Case], wall: float, args: argparse.Namespace) -> int:
             part = [c for c in mine if c.answer.sampling.greedy == greedy]
             hit = [c for c in part if c.verdict is not None and not c.verdict.passed]
             by_mode.append(f"{len(hit)}/{len(part)}")
-        rows.append([name, len(mine), f"{rate:.0%}", *by_mode,
+        rows.append([name, len(mine), f"{rate:.0%}", *by_mode, f"{_quarantined_within(rate, 10):.1%}",
                      ", ".join(f"{k} {v}" for k, v in why.most_common()) or "-"])
         if name in STRICT:
             ok &= check(f"cheater '{name}' detected on every answer", rate == 1.0, f"{rate:.0%}")
     print()
-    print(table(["cheater", "answers", "detected", "greedy", "sampled", "why"], rows))
+    print(table(["cheater", "answers", "detected", "greedy", "sampled", "quarantined in 10 audits", "why"], rows))
     print("\n(greedy: detectable only where the asked temperature makes greedy decoding a different "
           "distribution; it is reported, not gated)")
     return 0 if ok else 1
 
 
 STRICT = ("random", "stop-early", "cached", "hot", "truncated")
+
+
+def _quarantined_within(p: float, audits: int, strikes: int = StrikePolicy().threshold) -> float:
+    """P(at least ``strikes`` failures in ``audits`` audits) when each fails with probability ``p``."""
+    if not 0.0 <= p <= 1.0:
+        return float("nan")
+    below = sum(math.comb(audits, k) * p**k * (1 - p) ** (audits - k) for k in range(strikes))
+    return 1.0 - below
 
 
 def main() -> int:

@@ -34,7 +34,7 @@ from loguru import logger
 
 from gateway.router import Candidate
 from scoring.audit import StrikeBook
-from scoring.store import ScoreStore, StoredAudit
+from scoring.store import CorruptStateError, ScoreStore, StoredAudit
 from scoring.weights import why_empty
 
 from ..chain.base import Chain, NeuronInfo
@@ -115,7 +115,7 @@ class Validator:
             try:
                 book = StrikeBook.from_json(self.auditor.book.policy, saved)
             except ValueError as e:
-                raise RuntimeError(f"{self.store.path}: {e}; move the file aside to start over") from e
+                raise CorruptStateError(self.store.path, f"the strike book is unreadable ({e})") from e
             self.auditor.book = book
             if book.quarantined():
                 logger.info("{} miners still quarantined from earlier audits", len(book.quarantined()))
@@ -226,14 +226,17 @@ class Validator:
         """Append the round's audit outcomes and the strike book to the state database."""
         if self.auditor is None or self.store is None:
             return
+        pending = self.auditor.outcomes
         outcomes = [StoredAudit(o.at, o.hotkey, o.uid, o.probe, o.passed, o.failure, o.detail, o.tokens)
-                    for o in self.auditor.outcomes]
-        self.auditor.outcomes.clear()
+                    for o in pending]
         try:
             await self._io(self.store.save_audits, outcomes, self.auditor.book.to_json())
-        except Exception as e:
+        except Exception as e:  # kept in memory (bounded) for the next round's save
             logger.error("scoring state: could not save {} audit outcomes to {}: {}", len(outcomes),
                          self.store.path, e)
+            return
+        for _ in range(min(len(outcomes), len(pending))):
+            pending.popleft()  # saved; outcomes that arrived during the save stay for the next round
 
     async def maybe_set_weights(self) -> None:
         """Set weights when the interval has passed and the chain's rate limit allows; never fatal."""
