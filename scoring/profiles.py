@@ -25,11 +25,12 @@ from scoring.credit import CreditConfig
 PROFILES: dict[str, CreditConfig] = {
     # One RTX 5090 serving the subnet's model (vLLM): the defaults the soak was tuned on.
     "rtx5090": CreditConfig(),
-    # Gemma 3 270M Q4_K_M on llama.cpp, one thread per stream, measured on this project's 2-core CI machine
-    # by scripts/calibrate.py (TTFT ~0.1 s, ~20 tok/s single stream, ~24 aggregate at 2 streams).
-    "cpu-gemma270m": CreditConfig(full_band_s=0.6, zero_band_s=2.0, prefill_tok_s=400.0,
-                                  decode_curve=((1, 18.0), (2, 24.0), (4, 24.0)), tolerance_ratio=0.6,
-                                  floor_ratio=0.2),
+    # Gemma 3 270M Q4_K_M on llama.cpp, one thread per stream. scripts/calibrate.py on the project's 2-core
+    # machine, idle (2026-12-03): prefill 242 tok/s, TTFT residual p95 0.05 s, 24.6 tok/s at 1 stream, 49.5
+    # aggregate at 2. The rates are kept; the TTFT band and the tolerance are widened for the local subnet,
+    # where the validator, its reference and the miners share those 2 cores (TTFT p95 up to 1.5 s measured).
+    "cpu-gemma270m": CreditConfig(full_band_s=0.6, zero_band_s=2.0, prefill_tok_s=242.0,
+                                  decode_curve=((1, 24.6), (2, 49.5)), tolerance_ratio=0.5, floor_ratio=0.2),
 }
 
 

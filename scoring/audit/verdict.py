@@ -64,7 +64,7 @@ class AuditBands:
     greedy_gap: float = 1.0
     greedy_miss_share: float = 0.1
     greedy_hard_gap: float = 4.0
-    z_limit: float = 6.0
+    z_limit: float = 5.0  # honest |z| reached 3.46 over 369 sampled answers (scripts/bench_audit.py)
     head: int = 8
     # Logit noise (nats) between the reference's batched pass and a runtime's token-by-token decoding,
     # scaled by 1/temperature into each position's variance: without it honest answers at temperature
