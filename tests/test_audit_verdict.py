@@ -72,7 +72,7 @@ def test_structure_rules() -> None:
 
 def test_greedy_bands() -> None:
     a = answer()
-    b = AuditBands(greedy_gap=1.0, greedy_miss_share=0.1, greedy_hard_gap=4.0)
+    b = AuditBands(greedy_gap=1.0, greedy_miss_share=0.1, greedy_hard_gap=4.0)  # wider than the defaults
     assert judge(a, checked(a), scores(3, gap=0.9), b).passed
     off = scores(20, gap=0.0)
     off.gap[0] = 1.5  # one near-tie flip in 20: 5 % <= 10 %

@@ -61,9 +61,11 @@ class AuditFailure(StrEnum):
 class AuditBands:
     """Where honest ends and cheating begins. Defaults: measured on Gemma 3 270M, llama.cpp, CPU."""
 
-    greedy_gap: float = 1.0
-    greedy_miss_share: float = 0.1
-    greedy_hard_gap: float = 4.0
+    # Greedy: every honest greedy token of 131 answers replayed as the reference's argmax (same runtime);
+    # the slack is for near-ties another runtime's numerics may flip, not measured here (no GPU).
+    greedy_gap: float = 0.5
+    greedy_miss_share: float = 0.05
+    greedy_hard_gap: float = 2.0
     z_limit: float = 5.0  # honest |z| reached 3.46 over 369 sampled answers (scripts/bench_audit.py)
     head: int = 8
     # Logit noise (nats) between the reference's batched pass and a runtime's token-by-token decoding,
