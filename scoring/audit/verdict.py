@@ -61,8 +61,8 @@ class AuditFailure(StrEnum):
 class AuditBands:
     """Where honest ends and cheating begins. Defaults: measured on Gemma 3 270M, llama.cpp, CPU."""
 
-    # Greedy: every honest greedy token of 131 answers replayed as the reference's argmax (same runtime);
-    # the slack is for near-ties another runtime's numerics may flip, not measured here (no GPU).
+    # Greedy: over 131 honest greedy answers (same runtime) one position of one answer was more than 0.5 nats
+    # off the argmax; the slack is for near-ties another runtime's numerics may flip, not measured (no GPU).
     greedy_gap: float = 0.5
     greedy_miss_share: float = 0.05
     greedy_hard_gap: float = 2.0
