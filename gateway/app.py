@@ -216,6 +216,7 @@ class Gateway:
                 "slots": m.slots,
                 "in_flight": m.in_flight,
                 "score": m.score,  # None: not measured yet, routed at the prior
+                "quarantined": m.quarantined,  # failed its audits: probes only, paid 0
                 "served": m.served,
                 "requests": st.requests if st else 0,
                 "ok": st.ok if st else 0,

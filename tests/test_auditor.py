@@ -118,6 +118,9 @@ async def test_the_gateway_routes_around_a_quarantined_miner(make_gateway: Any, 
             assert r.status == 200
             served.add(r.headers["X-Tensorgate-Miner-Uid"])
     assert served == {str(next(x.uid for x in h.router.miners() if x.hotkey == honest.hotkey))}
+    async with h.client.get(h.base_url + "/v1/status", headers=h.auth) as r:
+        flags = {s["hotkey"]: s["quarantined"] for s in (await r.json())["miners"]}
+    assert flags == {honest.hotkey: False, cheat.hotkey: True}
 
 
 async def test_reference_service_round_trip_key_and_bad_requests() -> None:
