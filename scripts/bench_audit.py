@@ -115,7 +115,7 @@ async def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     await asyncio.gather(produce(), verify())
     wall = time.perf_counter() - t0
-    miner.close()
+    await miner.aclose()
     await ref.aclose()
     return report(cases, wall, args)
 

@@ -177,4 +177,10 @@ class EngineThread:
         return self._pool.submit(fn, self.engine, *args)
 
     def close(self) -> None:
+        """Drop queued jobs; a running one finishes on its own (use :meth:`aclose` to wait for it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def aclose(self) -> None:
+        """Drop queued jobs and wait, off the event loop, until the running one has finished."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self._pool.shutdown, wait=True)

@@ -74,7 +74,7 @@ class LlamaReference:
         return await self._worker.run(_audit, answer, bands)
 
     async def aclose(self) -> None:
-        self._worker.close()
+        await self._worker.aclose()
 
 
 class RemoteReference:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import random
 import secrets
 import threading
@@ -60,6 +61,7 @@ class LlamaRuntime:
         self._generate = generate or honest
         self._workers: list[EngineThread] = []
         self._free: asyncio.Queue[EngineThread] = asyncio.Queue()
+        self._cancels: set[threading.Event] = set()  # of the jobs running now, so aclose can stop them
         self._active = 0
         self._state = "not started"
         self._ready = False
@@ -87,10 +89,13 @@ class LlamaRuntime:
         self._state = f"ready: {self._slots} slot(s), {self._threads} thread(s) each, context {self._n_ctx}"
 
     async def aclose(self) -> None:
+        """Stop every job at its next token and wait for the threads, so none outlives the event loop."""
         self._ready = False
         self._state = "stopped"
+        for cancel in list(self._cancels):
+            cancel.set()
         for w in self._workers:
-            w.close()
+            await w.aclose()
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         if not self._ready:
@@ -117,9 +122,17 @@ class LlamaRuntime:
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
         cancel = threading.Event()
+        self._cancels.add(cancel)
 
         def put(item: Any) -> None:
-            loop.call_soon_threadsafe(items.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is reading, stop
+                cancel.set()
+
+        def slot_free(_job: object) -> None:
+            with contextlib.suppress(RuntimeError):  # at shutdown the loop may be closed: no pool to return to
+                loop.call_soon_threadsafe(self._free.put_nowait, worker)
 
         job = worker.submit(_run, self._generate, messages, max_tokens, sampling, rng, cancel, put)
         try:
@@ -166,9 +179,10 @@ class LlamaRuntime:
             yield b"".join(tail)
         finally:
             cancel.set()
+            self._cancels.discard(cancel)
             self._active -= 1
             # the slot is free once its thread has left the job (a cancelled job stops at its next token)
-            job.add_done_callback(lambda _f: loop.call_soon_threadsafe(self._free.put_nowait, worker))
+            job.add_done_callback(slot_free)
 
 
 def _failure(e: BaseException) -> RuntimeFailure:
