@@ -201,6 +201,18 @@ async def test_one_miners_claim_that_the_client_is_at_fault_is_checked_with_anot
         assert r.status == 400  # no other miner to ask: the one answer there is
 
 
+async def test_token_ids_are_counted_and_never_reach_the_client(make_miner, make_gateway):
+    """Miners name token ids for the audit; the client asked for none and gets none. Tokens count the ids."""
+    m = await make_miner(Script("ok", tokens=5, ids_per_token=2))
+    h = await make_gateway([m])
+    async with h.chat(body(max_tokens=16)) as r:
+        raw = await r.read()
+    assert b"token_ids" not in raw and raw.count(b'"content"') >= 5
+    assert m.bodies[-1]["return_token_ids"] is True  # every request asks for them
+    [meas] = h.measurements()
+    assert meas.ok and meas.completion_tokens == 10  # 5 chunks, 2 ids each: tokens, not chunks
+
+
 async def test_disconnect_mid_stream_frees_both_sides(make_miner, make_gateway):
     m = await make_miner(Script("gated", tokens=4))
     h = await make_gateway([m])

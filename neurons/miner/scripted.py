@@ -74,6 +74,7 @@ class Script:
     token_delay: float = 0.0  # between tokens
     headers_delay: float = 0.0  # before response headers
     first_token_delay: float = 0.0  # after the headers and role chunk, before the first token (prefill)
+    ids_per_token: int = 0  # > 0: each content chunk names this many token ids (choice.token_ids), as audits ask
 
     def __post_init__(self) -> None:
         if self.behavior not in BEHAVIORS:
@@ -255,7 +256,9 @@ class FakeMiner:
                 request.transport.abort()  # cut mid-stream: no terminating chunk
                 return resp
             await until(s.headers_delay + s.first_token_delay + i * s.token_delay)
-            await resp.write(pending + out.content(self.token(i)))
+            text = self.token(i)
+            chunk = out.tokens(text, [100 + i] * s.ids_per_token) if s.ids_per_token else out.content(text)
+            await resp.write(pending + chunk)
             pending = b""
             if s.behavior == "gated" and i == 0:
                 await self.gate.wait()
