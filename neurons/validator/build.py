@@ -7,7 +7,8 @@ what operators run. Here the parts are built once, in one order, and callers swa
 testing (the router in the soak's comparisons, the sink for time-scaled runs, the timeouts in fault
 tests).
 
-Nothing here does I/O: the gateway binds its socket, the store opens SQLite and the chain is first
+Nothing here does I/O beyond reading configuration files (API keys, a calibrated credit profile): the
+gateway binds its socket, the store opens SQLite, the reference loads its model and the chain is first
 read in :meth:`neurons.validator.neuron.Validator.start`.
 
 Example::
