@@ -45,6 +45,8 @@ async def test_auth(make_miner, make_gateway):
         ({"model": MODEL}, "messages"),
         ({"model": MODEL, "messages": []}, "messages"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": MODEL, "messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),  # was a 500
+        ({"model": MODEL, "messages": [{"role": {"r": 1}, "content": "hi"}]}, "messages[0].role"),
         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content[0]"),

@@ -34,6 +34,8 @@ def test_sse_parser_rejects_overlong_lines_and_bad_utf8(data):
      '{"choices": [], "v": 1e999}', '{"choices": [{}, {}]}', '{"choices": [{"delta": {"role": "user"}}]}',
      '{"choices": [{"delta": {"content": 5}}]}', '{"choices": [{"delta": [], "finish_reason": null}]}',
      '{"choices": [{"delta": {}, "finish_reason": "exploded"}]}', '{"object": "chat.completion", "choices": []}',
+     '{"choices": [{"delta": {"content": "a"}, "finish_reason": ["stop"]}]}',
+     '{"choices": [{"delta": {"role": ["assistant"]}}]}',
      '{"choices": [], "usage": {"completion_tokens": -1}}', '[1, 2]', '{"choices": [{"delta": {"content": "'
      + "y" * 5000 + '"}}]}', "{nope"],
 )

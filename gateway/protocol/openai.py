@@ -138,7 +138,7 @@ def _messages(value: Any, limits: SchemaLimits) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise bad_request("each message must be an object", param=p)
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or object role is unhashable: a 400, not a 500
             raise bad_request(f"role must be one of {sorted(ROLES)}", param=f"{p}.role")
         if "content" not in m or (m["content"] is None and role != "assistant"):
             raise bad_request("content is required", param=f"{p}.content")

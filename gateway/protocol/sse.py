@@ -221,7 +221,7 @@ def parse_chunk(data: str, max_content_chars: int = 4096) -> ChunkInfo:
     if len(content) > max_content_chars:
         raise SSEGarbage(f"chunk content longer than {max_content_chars} characters")
     finish = choice.get("finish_reason")
-    if finish is not None and finish not in _FINISH:
+    if finish is not None and (not isinstance(finish, str) or finish not in _FINISH):  # a list is unhashable
         raise SSEGarbage("unknown finish_reason")
     ids = _token_ids(choice.get("token_ids"), max_content_chars)
     return ChunkInfo(role=role, content=content, finish_reason=finish, usage=usage, token_ids=ids)
