@@ -185,6 +185,13 @@ class ScoreStore:
     # -- opening ---------------------------------------------------------------------------------
 
     def _open(self) -> sqlite3.Connection:
+        # SQLite happily treats an empty file as a new database: a state file truncated to 0 bytes (a full
+        # disk, a bad copy) would silently restart settlement from nothing, so it is refused instead.
+        try:
+            if self.path.exists() and self.path.stat().st_size == 0:
+                raise CorruptStateError(self.path, "the file is empty (0 bytes): its history is gone")
+        except OSError as e:
+            raise CorruptStateError(self.path, f"cannot read it ({e})") from e
         try:
             conn = sqlite3.connect(self.path, isolation_level=None, timeout=10.0, check_same_thread=False)
         except sqlite3.Error as e:

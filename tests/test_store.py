@@ -266,3 +266,25 @@ def test_a_schema_1_file_is_migrated_without_losing_rounds(tmp_path: Path) -> No
         assert st._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
         assert st.load_rounds(5) == [make_round(1)]
         assert st.recent_audits(5) == []
+
+
+def test_an_empty_state_file_is_refused_not_restarted(tmp_path: Path) -> None:
+    path = tmp_path / "v.sqlite"
+    path.write_bytes(b"")  # a truncated copy: SQLite alone would call it a new, empty database
+    with pytest.raises(CorruptStateError, match="empty"):
+        ScoreStore(path)
+    assert path.read_bytes() == b""  # left as it was for the operator
+
+
+async def test_a_directory_in_place_of_the_state_file_is_refused(tmp_path: Path) -> None:
+    from neurons.keys import dev_keypair
+    from neurons.validator.build import build_parts
+    from neurons.validator.config import ValidatorConfig
+    from neurons.validator.neuron import Validator
+
+    (tmp_path / "validator.sqlite").mkdir()
+    cfg = ValidatorConfig(state_dir=tmp_path, gateway_port=0)
+    v = Validator(cfg, chain=None, parts=build_parts(cfg, dev_keypair("Alice")))  # type: ignore[arg-type]
+    with pytest.raises(CorruptStateError, match="directory"):
+        await v.open_state()
+    assert not (tmp_path / "validator.sqlite" / "scoring.sqlite").exists()

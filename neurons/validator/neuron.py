@@ -107,7 +107,10 @@ class Validator:
         if self.store is not None:
             return
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        self.store = await self._io(ScoreStore, self.cfg.state_dir / "validator.sqlite")
+        path = self.cfg.state_dir / "validator.sqlite"
+        if await asyncio.to_thread(path.is_dir):  # the store would open a new file inside it: history lost
+            raise CorruptStateError(path, "a directory is where the state file should be")
+        self.store = await self._io(ScoreStore, path)
         await self._io(self.scorer.restore, self.store)
         self._last_weights_block = await self._io(self.store.last_weights_block)
         if self.auditor is not None:
