@@ -23,6 +23,7 @@ from typing import Any
 import bittensor as bt
 from bittensor import BittensorError
 
+from .chain.local_files import CorruptChainState
 from .chain.local_substrate import LocalSubstrate
 from .chain.subtensor import ChainUnavailable, route_sdk_logging, use_token_symbols_cache
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     route_sdk_logging()
     try:
         data = asyncio.run(_run(args))
-    except (FileNotFoundError, LookupError, ChainUnavailable, BittensorError) as e:
+    except (FileNotFoundError, LookupError, ChainUnavailable, BittensorError, CorruptChainState) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:

@@ -342,3 +342,16 @@ def test_register_rejects_bad_addresses(tmp_path: Path, clock: FakeClock) -> Non
         assert sub.subnet(NETUID).neurons == []
     finally:
         sub.release()
+
+
+def test_a_truncated_chain_file_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    from neurons.chain.local_files import STATE_FILE, CorruptChainState, StateFile
+    from neurons.validator.cli import main
+
+    state = tmp_path / "chain"
+    state.mkdir()
+    (state / STATE_FILE).write_text('{"subnets": {"1": {"neur')
+    with pytest.raises(CorruptChainState, match="Move the file aside"):
+        StateFile(state).read()
+    assert main(["--local", "--local.rounds", "1", "--state-dir", str(tmp_path), "--gateway.port", "0"]) == 2
+    assert (state / STATE_FILE).read_text() == '{"subnets": {"1": {"neur'  # never reset

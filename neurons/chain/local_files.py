@@ -22,6 +22,15 @@ class StateDirLocked(RuntimeError):
     """Another process holds the local chain's state directory for writing."""
 
 
+class CorruptChainState(RuntimeError):
+    """The local chain's state file cannot be read (truncated, hand-edited); it is never reset silently."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}. Move the file aside to start a new local chain (its registrations "
+                         "and weights are then gone), or restore it from a copy.")
+        self.path = path
+
+
 class StateFile:
     """The state file of one directory: read, stat, atomic write, and the writer's lock."""
 
@@ -41,7 +50,13 @@ class StateFile:
         return (self.state_dir / STATE_FILE).is_file()
 
     def read(self) -> ChainState:
-        return ChainState.from_json(json.loads((self.state_dir / STATE_FILE).read_text()))
+        path = self.state_dir / STATE_FILE
+        try:
+            return ChainState.from_json(json.loads(path.read_text()))
+        except (OSError, UnicodeDecodeError) as e:
+            raise CorruptChainState(path, f"cannot read it ({e})") from e
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise CorruptChainState(path, f"not a local chain state ({type(e).__name__}: {e})") from e
 
     def stat(self) -> tuple[int, int] | None:
         try:

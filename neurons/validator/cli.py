@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from scoring.profiles import ProfileError
     from scoring.store import StateError
 
+    from ..chain.local_files import CorruptChainState
     from ..chain.subtensor import ChainSeamError
     from ..keys import MissingKeyError
     from ..model.packaged import ModelUnavailable
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         logger.info("stopped")
         return 0
-    except (MissingKeyError, ChainSeamError, StateError, ModelUnavailable, ProfileError) as e:
+    except (MissingKeyError, ChainSeamError, StateError, ModelUnavailable, ProfileError, CorruptChainState) as e:
         logger.error("{}", e)
         return 2
 
