@@ -355,3 +355,25 @@ def test_a_truncated_chain_file_is_a_clear_error_not_a_traceback(tmp_path: Path)
         StateFile(state).read()
     assert main(["--local", "--local.rounds", "1", "--state-dir", str(tmp_path), "--gateway.port", "0"]) == 2
     assert (state / STATE_FILE).read_text() == '{"subnets": {"1": {"neur'  # never reset
+
+
+async def test_weights_carry_the_subnets_version_key(tmp_path: Path, clock: FakeClock) -> None:
+    """A subnet that raised WeightsVersionKey refuses key 0 (issue 15: every submission failed)."""
+    chain = open_chain(tmp_path, clock, weights_version_key=7)
+    try:
+        uids = populate(chain)
+        clock.advance_blocks(3)
+        assert (await chain.params()).weights_version == 7
+        out = await chain.set_weights({uids[0]: 0.6, uids[1]: 0.4})
+        assert out.ok, out.message
+        pinned_low = open_chain(tmp_path / "low", clock, weights_version_key=7)
+        try:
+            pinned_low.version_key = 3  # an operator pinning a stale key gets the chain's refusal, not a crash
+            populate(pinned_low)
+            clock.advance_blocks(3)
+            refused = await pinned_low.set_weights({uids[0]: 1.0})
+            assert not refused.ok and "IncorrectWeightVersionKey" in refused.message, refused.message
+        finally:
+            await pinned_low.close()
+    finally:
+        await chain.close()

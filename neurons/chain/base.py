@@ -43,6 +43,7 @@ class ChainParams:
     max_weight_limit: float  # fraction, 0..1
     min_allowed_weights: int
     block_time: float  # seconds per block
+    weights_version: int = 0  # the subnet's WeightsVersionKey: a submission below it is refused
 
 
 @dataclass(frozen=True, slots=True)

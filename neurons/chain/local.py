@@ -111,8 +111,9 @@ class LocalChain(SubtensorChain):
         """
         hotkey = self.hotkey
         if self._local.subnet(self.netuid).commit_reveal:
+            version = await self.weights_version_key()
             intent = bt.SetWeights(self.netuid, weights={int(u): float(w) for u, w in weights.items()},
-                                   version_key=self.version_key)
+                                   version_key=version)
             try:
                 plan = await (await self._planner()).plan(intent, self.wallet)
             except bt.BittensorError:
@@ -121,7 +122,7 @@ class LocalChain(SubtensorChain):
                 _, function, params = plan.call
                 if function == "set_mechanism_weights":
                     self._local.expect_commit(self.netuid, hotkey, list(params["dests"]), list(params["weights"]),
-                                              self.version_key)
+                                              version)
         try:
             return await super().set_weights(weights)
         finally:

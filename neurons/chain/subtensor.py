@@ -48,6 +48,7 @@ TOKEN_SYMBOLS_ENV = "BTCLI_TOKEN_SYMBOLS_CACHE"
 # (``bittensor._generated``, a private module whose layout may change in any 11.x release).
 NETWORKS_ADDED = ("SubtensorModule", "NetworksAdded")
 TEMPO = ("SubtensorModule", "Tempo")
+WEIGHTS_VERSION_KEY = ("SubtensorModule", "WeightsVersionKey")
 
 
 class ChainSeamError(Exception):
@@ -125,14 +126,14 @@ class SubtensorChain:
         *,
         substrate: Any | None = None,
         state_dir: str | os.PathLike[str] | None = None,
-        version_key: int = 0,
+        version_key: int | None = None,
         wait_for_finalization: bool = False,
         connect_timeout: float = 30.0,
     ) -> None:
         self.network = network
         self.netuid = int(netuid)
         self.wallet = wallet
-        self.version_key = version_key
+        self.version_key = version_key  # None: the subnet's WeightsVersionKey, read before each submission
         self.wait_for_finalization = wait_for_finalization
         self.connect_timeout = connect_timeout
         self._substrate = substrate
@@ -214,17 +215,19 @@ class SubtensorChain:
 
     async def params(self) -> ChainParams:
         async def fetch(c: bt.Client) -> ChainParams:
-            tempo, rate, cr, max_w, min_w, block_time = await asyncio.gather(
+            tempo, rate, cr, max_w, min_w, block_time, version = await asyncio.gather(
                 c.query(TEMPO, [self.netuid]),
                 c.read("weights_rate_limit", netuid=self.netuid),
                 c.read("commit_reveal_enabled", netuid=self.netuid),
                 c.read("max_weight_limit", netuid=self.netuid),
                 c.read("min_allowed_weights", netuid=self.netuid),
                 c.block_time(),
+                c.query(WEIGHTS_VERSION_KEY, [self.netuid]),
             )
             return ChainParams(
                 tempo=int(tempo or 0), weights_rate_limit=int(rate), commit_reveal=bool(cr),
                 max_weight_limit=int(max_w) / U16_MAX, min_allowed_weights=int(min_w), block_time=float(block_time),
+                weights_version=int(version or 0),
             )
 
         return await self._read(fetch)
@@ -242,12 +245,22 @@ class SubtensorChain:
             raise NotRegistered(f"uid {uid} does not exist on netuid {self.netuid}")
         return int(since)
 
+    async def weights_version_key(self) -> int:
+        """The ``version_key`` to submit: the operator's pin, else the subnet's ``WeightsVersionKey`` now.
+
+        A key below the subnet's is refused by the chain; a hard-coded 0 failed every submission on a
+        subnet whose owner had raised it.
+        """
+        if self.version_key is not None:
+            return self.version_key
+        return int(await self._read(lambda c: c.query(WEIGHTS_VERSION_KEY, [self.netuid])) or 0)
+
     async def set_weights(self, weights: dict[int, float]) -> WeightsOutcome:
         """Run ``bt.SetWeights`` through the SDK; every refusal comes back as ``ok=False``, never raised."""
         try:
             client = await self.client()
             intent = bt.SetWeights(self.netuid, weights={int(u): float(w) for u, w in weights.items()},
-                                   version_key=self.version_key)
+                                   version_key=await self.weights_version_key())
             result = await client.execute(intent, self.wallet, wait_for_inclusion=True,
                                           wait_for_finalization=self.wait_for_finalization)
         except ChainError as e:  # the SDK's preflight: NOT_REGISTERED, RATE_LIMITED, INVALID_ARGUMENT, ...

@@ -26,7 +26,8 @@ async def _run_network(cfg: ValidatorConfig) -> int:
     from ..keys import load_hotkey
 
     keypair = load_hotkey(cfg.wallet_name, cfg.wallet_hotkey, cfg.wallet_path)
-    chain = await SubtensorChain.connect(cfg.network, cfg.netuid, wallet=keypair, state_dir=cfg.state_dir)
+    chain = await SubtensorChain.connect(cfg.network, cfg.netuid, wallet=keypair, state_dir=cfg.state_dir,
+                                         version_key=cfg.weights_version_key)
     try:
         uid = await chain.my_uid()  # NotRegistered: refuse to run rather than serve without weights
         logger.info("hotkey {} is uid {} on netuid {}", keypair.ss58_address, uid, cfg.netuid)

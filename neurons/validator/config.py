@@ -36,6 +36,7 @@ class ValidatorConfig:
     settlement_rounds: int = 12
     weights_interval_blocks: int = 100
     weights_dry_run: bool = False
+    weights_version_key: int | None = None  # None: the subnet's WeightsVersionKey, read from the chain
     probes_per_round: int = 2
     sync_interval_blocks: int = 10
     min_validator_stake: float = DEFAULT_MIN_VALIDATOR_STAKE
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                     default=d.weights_interval_blocks, help="blocks between weight submissions")
     sc.add_argument("--weights.dry-run", dest="weights_dry_run", action="store_true",
                     help="log the weights that would be set instead of submitting them")
+    sc.add_argument("--weights.version-key", dest="weights_version_key", type=int, default=None,
+                    help="version_key of weight submissions (default: the subnet's WeightsVersionKey, read from "
+                         "its hyperparameters before each submission)")
     sc.add_argument("--probes.per-round", dest="probes_per_round", type=int, default=d.probes_per_round,
                     help="probe requests per miner per round")
     sc.add_argument("--metagraph.sync-blocks", dest="sync_interval_blocks", type=int,
