@@ -7,7 +7,11 @@ reference model or credit profile) end with one clear line and exit code 2, not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from loguru import logger
 
@@ -38,6 +42,35 @@ async def _run_network(cfg: ValidatorConfig) -> int:
     return 0
 
 
+async def _until_stopped(coro: Coroutine[Any, Any, int]) -> int:
+    """Run ``coro``; SIGTERM (what systemd, docker and pm2 send) stops it as Ctrl-C does.
+
+    The signal cancels the run, so every ``finally`` on the way out runs: the gateway stops accepting and
+    gives streams in progress its drain time (``shutdown_timeout``), miners and the chain are closed, and
+    the process exits 0. Without this handler SIGTERM killed the validator at once, mid-stream.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    stopped_by_term = False
+
+    def on_term() -> None:
+        nonlocal stopped_by_term
+        stopped_by_term = True
+        logger.info("SIGTERM: stopping (streams in progress get the drain time)")
+        task.cancel()
+
+    with contextlib.suppress(NotImplementedError):  # no signal handlers on some platforms
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if not stopped_by_term:
+            raise  # Ctrl-C: asyncio.run turns it into KeyboardInterrupt, handled below
+        logger.info("stopped")
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point (``tensorgate-validator``)."""
     from scoring.profiles import ProfileError
@@ -54,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.local:
             from ..local_subnet import run_local_subnet
 
-            return asyncio.run(run_local_subnet(cfg))
-        return asyncio.run(_run_network(cfg))
+            return asyncio.run(_until_stopped(run_local_subnet(cfg)))
+        return asyncio.run(_until_stopped(_run_network(cfg)))
     except KeyboardInterrupt:
         logger.info("stopped")
         return 0
