@@ -177,6 +177,19 @@ async def test_auth_refusals(session: aiohttp.ClientSession, make_ref_miner: Any
     assert m.server.busy == 0 and m.server.served == 1
 
 
+async def test_a_request_captured_before_a_restart_cannot_be_replayed(session: aiohttp.ClientSession,
+                                                                     make_ref_miner: Any) -> None:
+    """Issue 15: the replay cache lived in memory, so a restart made a fresh captured request playable again."""
+    raw = payload()
+    captured = Signer().headers(raw)  # signed and used against the miner before it restarts
+    await asyncio.sleep(0.01)
+    restarted = await make_ref_miner()  # a new process: an empty in-memory cache
+    status, body = await post(session, restarted, raw, captured)
+    assert status == 401 and _err(body)["code"] == "ReplayedRequest"
+    status, _ = await post(session, restarted, raw, Signer().headers(raw))  # signed after the start: served
+    assert status == 200
+
+
 async def test_many_concurrent_signed_requests_all_accepted(session: aiohttp.ClientSession,
                                                              make_ref_miner: Any) -> None:
     n = 40

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from typing import Any
 
 import bittensor as bt
@@ -33,6 +34,26 @@ from .runtimes.base import Runtime, RuntimeFailure
 from .trust import Trust
 
 DEFAULT_MAX_BODY = 1024 * 1024
+
+
+class RestartSafeNonces:
+    """Replay protection that survives a restart: nonces signed before this miner started are refused.
+
+    A btauth nonce is the signer's ``time_ns()``; the SDK's store remembers accepted ones in memory only,
+    so after a restart a request captured in the last seconds before it (still inside the 10 s freshness
+    window) could be replayed. Anything signed before the store was created is refused instead: the
+    price is that a validator whose clock lags ours has its requests of the first second or two after a
+    restart refused (it tries another miner), and no state has to be kept on disk.
+    """
+
+    def __init__(self, inner: bt.http_auth.NonceStore | None = None, *, started_ns: int | None = None) -> None:
+        self._inner = inner if inner is not None else bt.http_auth.InMemoryNonceStore(retention=60.0)
+        self.started_ns = time.time_ns() if started_ns is None else started_ns
+
+    def check_and_store(self, hotkey_ss58: str, nonce_ns: int) -> bool:
+        if nonce_ns < self.started_ns:
+            return False
+        return self._inner.check_and_store(hotkey_ss58, nonce_ns)
 
 
 def error_response(status: int, message: str, *, type: str, code: str | None = None, param: str | None = None,
@@ -58,7 +79,7 @@ class MinerServer:
         self.slots = slots
         self.trust = trust
         self.max_body_bytes = max_body_bytes
-        self._nonces = nonce_store if nonce_store is not None else bt.http_auth.InMemoryNonceStore(retention=60.0)
+        self._nonces = nonce_store if nonce_store is not None else RestartSafeNonces()
         self.busy = 0
         self.served = 0
         self.refused_busy = 0
