@@ -6,9 +6,9 @@ completion tokens are counted here, never taken from the miner's usage claim: th
 names (``choice.token_ids``), or one per content chunk from a miner that names none; a stream is
 complete only with ``[DONE]`` or a finish reason followed by a clean end. Whatever a miner sends that
 breaks these rules raises :class:`MeterFailure` with the :class:`~scoring.measurement.FailureReason`
-it earns: garbage (invalid SSE, JSON, UTF-8, NaN, wrong shape), overlong (more tokens than
-``max_tokens``), empty (finished without content), dropped (an error event, or the end before a
-finish).
+it earns: garbage (invalid SSE, JSON, UTF-8, NaN, wrong shape, more text than its tokens can
+spell), overlong (more tokens than ``max_tokens``), empty (finished without content), dropped (an
+error event, or the end before a finish).
 
 Example::
 
@@ -24,6 +24,9 @@ from __future__ import annotations
 from scoring.measurement import FailureReason
 
 from .protocol.sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
+
+
+CHARS_PER_TOKEN_CAP = 32  # characters of answer text allowed per token of max_tokens (plus one chunk's worth)
 
 
 class MeterFailure(Exception):
@@ -58,6 +61,11 @@ class StreamMeter:
         self.text: list[str] = []
         self.ids: list[int] = []
         self.ids_complete = True  # every content chunk named its token ids
+        # What one answer may weigh: a non-streamed answer is held whole, so a miner sending 4 KB per
+        # token at max_tokens would cost 16 MB a request (issue 15: 16 such requests took RSS 82 -> 446 MB).
+        # No tokenizer's average token comes near 32 characters.
+        self.max_chars = CHARS_PER_TOKEN_CAP * max_tokens + max_content_chars
+        self.chars = 0
 
     @property
     def content_started(self) -> bool:
@@ -109,6 +117,10 @@ class StreamMeter:
                 if self.keep_answer:
                     self.ids += ids
             if chunk.content:
+                self.chars += len(chunk.content)
+                if self.chars > self.max_chars:
+                    raise MeterFailure(FailureReason.GARBAGE, f"more than {self.max_chars} characters of text for "
+                                                              f"max_tokens={self.max_tokens}")
                 if not ids:
                     if self.tokens >= self.max_tokens:
                         raise MeterFailure(FailureReason.OVERLONG, f"more than max_tokens={self.max_tokens} tokens")

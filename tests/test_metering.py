@@ -157,3 +157,13 @@ def test_ids_beyond_max_tokens_are_overlong() -> None:
     assert e.value.reason == FailureReason.OVERLONG
     kept = StreamMeter(max_tokens=3, started_at=0.0)
     assert not kept.keep_answer and kept.feed(tok_ids("abc", [1, 2, 3]), now=0.1) and kept.ids == []
+
+
+def test_text_an_answer_may_carry_is_bounded_by_its_tokens() -> None:
+    """A non-streamed answer is held whole: 4 KB per token at max_tokens would be 16 MB a request."""
+    m = StreamMeter(max_tokens=4, started_at=0.0)
+    m.feed(tok("a" * 100), now=0.1)  # one long token is fine (the cap is 32 x 4 + one chunk's 4096)
+    with pytest.raises(MeterFailure) as e:
+        for _ in range(3):
+            m.feed(tok("b" * 4000), now=0.2)
+    assert e.value.reason == FailureReason.GARBAGE and "characters" in e.value.detail

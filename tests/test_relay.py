@@ -213,6 +213,19 @@ async def test_token_ids_are_counted_and_never_reach_the_client(make_miner, make
     assert meas.ok and meas.completion_tokens == 10  # 5 chunks, 2 ids each: tokens, not chunks
 
 
+async def test_a_fat_non_streamed_answer_is_the_miners_failure_and_another_is_tried(make_miner, make_gateway):
+    fat = await make_miner(Script("ok", tokens=64, token_chars=4000), tag="fat-")
+    h = await make_gateway([fat])
+    async with h.chat(body(max_tokens=64, stream=False)) as r:
+        assert r.status == 502  # never 64 x 4 KB held for the client
+    assert [m.failure for m in h.measurements()] == [FailureReason.GARBAGE]
+    ok = await make_miner(Script("ok", tokens=8), tag="ok-")
+    both = await make_gateway([fat, ok], max_retries=2)
+    for _ in range(4):
+        async with both.chat(body(max_tokens=64, stream=False)) as r:
+            assert r.status == 200 and "x" * 100 not in (await r.json())["choices"][0]["message"]["content"]
+
+
 async def test_disconnect_mid_stream_frees_both_sides(make_miner, make_gateway):
     m = await make_miner(Script("gated", tokens=4))
     h = await make_gateway([m])

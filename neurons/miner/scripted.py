@@ -75,6 +75,7 @@ class Script:
     headers_delay: float = 0.0  # before response headers
     first_token_delay: float = 0.0  # after the headers and role chunk, before the first token (prefill)
     ids_per_token: int = 0  # > 0: each content chunk names this many token ids (choice.token_ids), as audits ask
+    token_chars: int = 0  # > 0: each token's text is this many characters (a miner inflating what is held)
 
     def __post_init__(self) -> None:
         if self.behavior not in BEHAVIORS:
@@ -256,7 +257,7 @@ class FakeMiner:
                 request.transport.abort()  # cut mid-stream: no terminating chunk
                 return resp
             await until(s.headers_delay + s.first_token_delay + i * s.token_delay)
-            text = self.token(i)
+            text = self.token(i) if not s.token_chars else "x" * s.token_chars
             chunk = out.tokens(text, [100 + i] * s.ids_per_token) if s.ids_per_token else out.content(text)
             await resp.write(pending + chunk)
             pending = b""
