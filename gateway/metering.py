@@ -25,7 +25,6 @@ from scoring.measurement import FailureReason
 
 from .protocol.sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
 
-
 CHARS_PER_TOKEN_CAP = 32  # characters of answer text allowed per token of max_tokens (plus one chunk's worth)
 
 
