@@ -42,6 +42,7 @@ class ValidatorConfig:
     min_validator_stake: float = DEFAULT_MIN_VALIDATOR_STAKE
     restore_max_age_s: float = 3600.0
     max_retries: int = 2
+    drain_s: float = 5.0  # on a stop (SIGTERM, Ctrl-C): how long streams in progress may take to finish
     prompt_mix: str = "gpu"  # sizes of probe (and local traffic) requests: "gpu" or "cpu" (neurons.validator.prompts)
     credit_profile: str = "rtx5090"  # the card whose speed earns full credit (a name, or a calibrated JSON file)
     # Verified inference: the reference that audits answers ("none", "packaged", or a GGUF file path).
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gw.add_argument("--gateway.max-retries", dest="max_retries", type=int, default=d.max_retries,
                     help="other miners tried before the first byte when one refuses or fails")
+    gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
+                    help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
     sc = p.add_argument_group("scoring and weights")
     sc.add_argument("--state-dir", dest="state_dir", type=Path, default=d.state_dir, help="where state lives")
     sc.add_argument("--round.seconds", dest="round_s", type=float, default=d.round_s, help="scoring round length")
