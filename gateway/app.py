@@ -62,6 +62,7 @@ class GatewayConfig:
     timeouts: UpstreamTimeouts | None = None  # None: the Upstream's own
     served_by_header: str = "X-Tensorgate-Miner-Uid"
     shutdown_timeout: float = 5.0
+    first_byte_budget_s: float = 30.0  # the whole wait for a first byte, retries included
     # Once listening, what the process allocated so far (the SDK, imports, the metagraph) lives as long as it
     # does: gc.freeze() takes it out of full collections, each of which would otherwise scan it while every
     # stream waits (one took 66 ms under load). Off in tests, which start many gateways in one process.
@@ -87,7 +88,7 @@ class GatewayConfig:
 
     def relay_config(self) -> RelayConfig:
         return RelayConfig(max_retries=self.max_retries, timeouts=self.timeouts,
-                           served_by_header=self.served_by_header)
+                           served_by_header=self.served_by_header, first_byte_budget_s=self.first_byte_budget_s)
 
 
 Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[None]]

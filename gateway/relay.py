@@ -3,12 +3,14 @@
 A request holds exactly one router lease at a time, released in ``finally`` on every path. Until the
 first content chunk has arrived nothing is sent to the client, so a miner that is busy (429), dead,
 slow to start or broken is released and another is tried (``exclude`` = the miners tried), up to
-``max_retries`` times. A miner that refuses the request as the client's fault (the model's context is
-too small) is believed only when a second miner says the same, or when no other miner could answer:
-one miner's word must not turn a client away. From the first content chunk on, the request belongs to that miner: a
-failure ends the stream with an error event and ``[DONE]`` — never a hang, never a second miner's
-tokens spliced in. A client that disconnects has its handler cancelled by the server
-(:mod:`gateway.asgi`), so the upstream request is cancelled at once and the miner's slot freed.
+``max_retries`` times, all within one first-byte budget (``first_byte_budget_s``): each attempt waits
+for its first token at most what is left of it. A miner that refuses the request as the client's
+fault (the model's context is too small) is believed only when a second miner says the same, or when
+no other miner could answer: one miner's word must not turn a client away. From the first content
+chunk on, the request belongs to that miner: a failure ends the stream with an error event and
+``[DONE]`` — never a hang, never a second miner's tokens spliced in. A client that disconnects has its
+handler cancelled by the server (:mod:`gateway.asgi`), so the upstream request is cancelled at once
+and the miner's slot freed.
 
 The relay writes once per miner read, not once per chunk: frames decoded from one read (and the
 headers with the first of them, the usage chunk and ``[DONE]`` with the last) leave in one body
@@ -26,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections import Counter
@@ -48,11 +51,18 @@ def _completion_id() -> str:
     return f"chatcmpl-{_IDS.getrandbits(128):032x}"
 
 
+MIN_ATTEMPT_S = 1.0  # a retry is not started with less of the first-byte budget left than this
+
+
 @dataclass(frozen=True, slots=True)
 class RelayConfig:
     max_retries: int = 2  # extra miners tried before the client has seen a byte
     timeouts: UpstreamTimeouts | None = None  # None: the Upstream's own
     served_by_header: str = "X-Tensorgate-Miner-Uid"
+    # The whole wait for a first byte, across retries: each attempt gets what is left of it (at most its own
+    # first_token deadline). Without it three miners that stall before their first byte cost a client
+    # 3 x 30 s before a 504.
+    first_byte_budget_s: float = 30.0
 
 
 class Relay:
@@ -81,7 +91,15 @@ class Relay:
         tried: set[int] = set()
         failures: list[UpstreamError] = []
         rejected: list[UpstreamError] = []  # miners that called the request the client's fault
-        for _ in range(1 + max(0, self.config.max_retries)):
+        loop = asyncio.get_running_loop()
+        budget_ends = loop.time() + self.config.first_byte_budget_s
+        base = self.config.timeouts or self.upstream.timeouts
+        for attempt in range(1 + max(0, self.config.max_retries)):
+            left = budget_ends - loop.time()
+            if attempt and left < MIN_ATTEMPT_S:
+                break  # the client has waited its budget: answer now rather than try one more miner
+            timeouts = base if left >= base.first_token else dataclasses.replace(base, first_token=max(left,
+                                                                                                        MIN_ATTEMPT_S))
             lease = self.router.acquire(exclude=tried)
             if lease is None:
                 break
@@ -89,7 +107,7 @@ class Relay:
             served = False
             try:
                 try:
-                    stream = await self.upstream.open(lease, payload, timeouts=self.config.timeouts)
+                    stream = await self.upstream.open(lease, payload, timeouts=timeouts)
                 except UpstreamError as e:
                     if e.reason == FailureReason.CLIENT_REJECTED:
                         rejected.append(e)

@@ -256,6 +256,23 @@ async def test_disconnect_before_first_byte_cancels_upstream(make_miner, make_ga
     assert h.measurements()[0].failure == FailureReason.CLIENT_DISCONNECT
 
 
+async def test_one_first_byte_budget_covers_every_retry(make_miner, make_gateway):
+    """Issue 15: three miners stalling before their first byte cost a client 3 x first_token before a 504."""
+    import time
+
+    miners = [await make_miner(Script("hang_headers"), tag=f"h{i}-") for i in range(3)]
+    h = await make_gateway(miners, max_retries=2, first_byte_budget_s=2.6,
+                           timeouts=UpstreamTimeouts(first_token=1.5, stall=5.0, total=30.0))
+    t0 = time.monotonic()
+    async with h.chat(body()) as r:
+        assert r.status == 504
+    waited = time.monotonic() - t0
+    # attempt 1 waits its 1.5 s, attempt 2 only the 1.1 s left of the budget, then no third: 2 tried, not 3
+    assert sum(m.requests for m in miners) == 2
+    assert waited < 3.6  # 3 x 1.5 s = 4.5 s without the budget
+    assert [x.failure for x in h.measurements()] == [FailureReason.TIMEOUT] * 2
+
+
 async def test_overlong_stream_is_cut_at_max_tokens(make_miner, make_gateway):
     m = await make_miner(Script("overlong", tokens=50))
     h = await make_gateway([m])

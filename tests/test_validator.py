@@ -104,10 +104,11 @@ def test_audit_and_real_mode_flags(tmp_path: Path) -> None:
     assert (cfg.audit_model, cfg.audit_rate, cfg.audit_queue) == (str(tmp_path / "m.gguf"), 0.25, 9)
     assert (cfg.credit_profile, cfg.prompt_mix) == ("cpu-gemma270m", "cpu")
     assert parse_args(["--gateway.drain-seconds", "12"]).drain_s == 12.0
+    assert parse_args(["--gateway.first-byte-budget", "9"]).first_byte_budget_s == 9.0
     from neurons.validator.build import build_parts
 
-    parts = build_parts(ValidatorConfig(drain_s=7.0, gateway_port=0), dev_keypair("Alice"))
-    assert parts.gateway.config.shutdown_timeout == 7.0
+    parts = build_parts(ValidatorConfig(drain_s=7.0, first_byte_budget_s=9.0, gateway_port=0), dev_keypair("Alice"))
+    assert parts.gateway.config.shutdown_timeout == 7.0 and parts.gateway.config.first_byte_budget_s == 9.0
     real = parse_args(["--local", "--local.runtime", "real", "--local.cheat", "random", "--local.cheat", "hot",
                        "--local.miner-url", "127.0.0.1:8099"])
     assert real.local_cheats == ["random", "hot"] and real.local_miner_urls == ["127.0.0.1:8099"]

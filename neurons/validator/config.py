@@ -42,6 +42,7 @@ class ValidatorConfig:
     min_validator_stake: float = DEFAULT_MIN_VALIDATOR_STAKE
     restore_max_age_s: float = 3600.0
     max_retries: int = 2
+    first_byte_budget_s: float = 30.0  # a client's whole wait for a first byte, retries included
     drain_s: float = 5.0  # on a stop (SIGTERM, Ctrl-C): how long streams in progress may take to finish
     prompt_mix: str = "gpu"  # sizes of probe (and local traffic) requests: "gpu" or "cpu" (neurons.validator.prompts)
     credit_profile: str = "rtx5090"  # the card whose speed earns full credit (a name, or a calibrated JSON file)
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gw.add_argument("--gateway.max-retries", dest="max_retries", type=int, default=d.max_retries,
                     help="other miners tried before the first byte when one refuses or fails")
+    gw.add_argument("--gateway.first-byte-budget", dest="first_byte_budget_s", type=float,
+                    default=d.first_byte_budget_s,
+                    help="seconds a client waits at most for a first byte, across every miner tried")
     gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
                     help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
     sc = p.add_argument_group("scoring and weights")
