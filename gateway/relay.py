@@ -38,7 +38,7 @@ from typing import Any
 from scoring.measurement import FailureReason
 
 from .asgi import Send, send_json
-from .protocol.errors import GatewayError, bad_gateway, bad_request, gateway_timeout, no_capacity
+from .protocol.errors import GatewayError, bad_gateway, bad_request, gateway_timeout, no_capacity, overloaded
 from .protocol.openai import ChatRequest
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .router import Router
@@ -109,6 +109,9 @@ class Relay:
                 try:
                     stream = await self.upstream.open(lease, payload, timeouts=timeouts)
                 except UpstreamError as e:
+                    if e.reason == FailureReason.LOCAL_RESOURCES:  # every other miner would fail the same way
+                        self.outcomes["503"] += 1
+                        raise overloaded() from None
                     if e.reason == FailureReason.CLIENT_REJECTED:
                         rejected.append(e)
                         if len(rejected) >= 2:  # two miners agree: the client's 400
@@ -248,6 +251,8 @@ def _exhausted(failures: list[UpstreamError]) -> GatewayError:
     if not real:
         return no_capacity(f"all {len(failures)} miners tried are busy; retry shortly")
     last = real[-1]
+    if last.reason == FailureReason.LOCAL_RESOURCES:
+        return overloaded()
     if last.reason == FailureReason.TIMEOUT:
         return gateway_timeout(f"the miner did not answer in time ({len(failures)} tried)")
     return bad_gateway(f"the miner failed before answering: {last.reason} ({len(failures)} tried)")

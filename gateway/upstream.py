@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import statistics
 from collections import Counter, deque
@@ -56,6 +57,8 @@ from .router import Lease, MinerState
 
 MAX_ERROR_BODY = 64 * 1024  # what is read of a refusal's body so its connection can be reused
 _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)  # a pooled connection the miner had closed
+# The validator's own limits (open files, buffers, memory): a connect failing with these is never the miner's.
+_LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,6 +387,8 @@ class UpstreamStream:
                 raise self._fail(FailureReason.TIMEOUT, detail="no response headers before the first-token deadline")\
                     from None
             except aiohttp.ClientConnectorError as e:
+                if e.os_error.errno in _LOCAL_ERRNOS:  # our own limits, not the miner's
+                    raise self._fail(FailureReason.LOCAL_RESOURCES, detail=str(e.os_error)) from None
                 raise self._fail(FailureReason.CONNECT, detail=type(e).__name__) from None
             except aiohttp.ClientResponseError as e:  # bytes that are not an HTTP response (or too large a head)
                 raise self._fail(FailureReason.GARBAGE, detail=f"bad HTTP response: {e.message}") from None
@@ -392,6 +397,8 @@ class UpstreamStream:
                     continue  # a pooled connection the miner (or its runtime's keep-alive timer) had closed
                 raise self._fail(FailureReason.CONNECT, detail=type(e).__name__) from None
             except (aiohttp.ClientError, OSError, ValueError) as e:
+                if isinstance(e, OSError) and e.errno in _LOCAL_ERRNOS:
+                    raise self._fail(FailureReason.LOCAL_RESOURCES, detail=str(e)) from None
                 raise self._fail(FailureReason.CONNECT, detail=type(e).__name__) from None
         raise AssertionError("unreachable")
 

@@ -26,7 +26,7 @@ from gateway.protocol.sampling import SamplingParams
 
 
 class FailureReason(StrEnum):
-    """Why a dispatch did not produce a complete answer; all but three are the miner's failure.
+    """Why a dispatch did not produce a complete answer; all but four are the miner's failure.
 
     A ``StrEnum`` so the value is the stable string persisted in SQLite and shown in round tables and
     ``/v1/status``, while code compares members, never loose strings.
@@ -41,13 +41,15 @@ class FailureReason(StrEnum):
     OVERLONG = "overlong"  # more tokens than max_tokens
     EMPTY = "empty"  # finished without any content
     CLIENT_DISCONNECT = "client_disconnect"  # not the miner's fault: recorded for accounting, excluded from credit
+    LOCAL_RESOURCES = "local_resources"  # the validator ran out of file descriptors or memory: not the miner's fault
     CLIENT_REJECTED = "client_rejected"  # the miner's runtime refused the request as the client's fault (400)
     AUDIT_FAILED = "audit_failed"  # complete, but the reference says the tokens are not the model's answer
 
     @property
     def blames_miner(self) -> bool:
         """Whether this outcome costs the miner credit (a truthful 429 and a client leaving do not)."""
-        return self not in (FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT, FailureReason.CLIENT_REJECTED)
+        return self not in (FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT, FailureReason.CLIENT_REJECTED,
+                            FailureReason.LOCAL_RESOURCES)
 
 
 @dataclass(frozen=True, slots=True)

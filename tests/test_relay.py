@@ -273,6 +273,30 @@ async def test_one_first_byte_budget_covers_every_retry(make_miner, make_gateway
     assert [x.failure for x in h.measurements()] == [FailureReason.TIMEOUT] * 2
 
 
+async def test_running_out_of_file_descriptors_is_the_validators_fault_not_the_miners(make_miner, make_gateway):
+    """Issue 15: at the open-files limit, valid requests got 502 and three healthy miners were booked `connect`."""
+    import errno
+
+    class OutOfFiles:
+        async def post(self, *args, **kwargs):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        async def close(self):
+            return None
+
+    miners = [await make_miner(Script("ok"), tag=f"m{i}-") for i in range(3)]
+    h = await make_gateway(miners, max_retries=2)
+    real_client, h.upstream.client = h.upstream.client, OutOfFiles()
+    try:
+        async with h.chat(body()) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
+            assert (await error_of(r))["code"] == "gateway_overloaded"
+        [m] = h.measurements()  # one miner tried, not three: the next would fail the same way
+        assert m.failure == FailureReason.LOCAL_RESOURCES and not m.failure.blames_miner
+    finally:
+        h.upstream.client = real_client
+
+
 async def test_overlong_stream_is_cut_at_max_tokens(make_miner, make_gateway):
     m = await make_miner(Script("overlong", tokens=50))
     h = await make_gateway([m])

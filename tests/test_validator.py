@@ -244,3 +244,17 @@ async def test_history_kept_in_memory_is_bounded(tmp_path: Path) -> None:
         await v.close_round()
     assert len(v.recent_rounds) == RECENT and v.rounds_closed == RECENT + 6
     await v.stop()
+
+
+def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
+    import resource
+
+    from neurons.validator.cli import raise_open_files_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:  # already at the ceiling (a CI runner may be): lower it to see it raised
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    before, after = raise_open_files_limit()
+    now_soft, now_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert now_hard == hard and now_soft == after
+    assert after == (hard if hard != resource.RLIM_INFINITY else max(before, 1 << 16)) and after >= before

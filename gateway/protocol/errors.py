@@ -86,6 +86,11 @@ def no_capacity(message: str = "no miner has capacity for this request; retry sh
     return GatewayError(429, message, type=RATE_LIMIT, code="no_capacity", headers={"Retry-After": "1"})
 
 
+def overloaded(message: str = "the gateway is out of resources; retry shortly") -> GatewayError:
+    """The validator's own trouble (no file descriptors left, say): not any miner's failure."""
+    return GatewayError(503, message, type=SERVER, code="gateway_overloaded", headers={"Retry-After": "1"})
+
+
 def bad_gateway(message: str = "the miner failed to answer", code: str = "upstream_failed") -> GatewayError:
     return GatewayError(502, message, type=UPSTREAM, code=code)
 

@@ -42,6 +42,29 @@ async def _run_network(cfg: ValidatorConfig) -> int:
     return 0
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise the soft open-files limit to the hard one; returns (before, after).
+
+    The common soft limit of 1,024 is a few hundred clients and their miner connections: past it every
+    new connection fails (issue 15 measured it), while the hard limit is usually far higher and free to take.
+    """
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return (0, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return (soft, soft)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as e:
+        logger.warning("could not raise the open-files limit from {} to {}: {}", soft, target, e)
+        return (soft, soft)
+    logger.debug("open-files limit raised from {} to {}", soft, target)
+    return (soft, target)
+
+
 async def _until_stopped(coro: Coroutine[Any, Any, int]) -> int:
     """Run ``coro``; SIGTERM (what systemd, docker and pm2 send) stops it as Ctrl-C does.
 
@@ -83,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = parse_args(argv)
     _configure_logging(cfg.log_level)
+    raise_open_files_limit()
     try:
         if cfg.local:
             from ..local_subnet import run_local_subnet
