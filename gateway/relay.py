@@ -98,8 +98,8 @@ class Relay:
             left = budget_ends - loop.time()
             if attempt and left < MIN_ATTEMPT_S:
                 break  # the client has waited its budget: answer now rather than try one more miner
-            timeouts = base if left >= base.first_token else dataclasses.replace(base, first_token=max(left,
-                                                                                                        MIN_ATTEMPT_S))
+            first_token = min(base.first_token, max(left, MIN_ATTEMPT_S))  # what is left of the budget
+            timeouts = base if first_token == base.first_token else dataclasses.replace(base, first_token=first_token)
             lease = self.router.acquire(exclude=tried)
             if lease is None:
                 break
