@@ -28,28 +28,14 @@ import asyncio
 import random
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 
 from loguru import logger
 
 from scoring.audit import AuditBands, StrikeBook, Verdict, apply_verdict, should_audit
 from scoring.measurement import Measurement
+from scoring.store import StoredAudit
 
 from .reference import Reference
-
-
-@dataclass(frozen=True, slots=True)
-class AuditOutcome:
-    """One finished audit, as persisted."""
-
-    at: float
-    hotkey: str
-    uid: int
-    probe: bool
-    passed: bool
-    failure: str | None
-    detail: str
-    tokens: int
 
 
 class Auditor:
@@ -66,7 +52,7 @@ class Auditor:
         self._rng = rng if rng is not None else random.SystemRandom()
         self._queue: asyncio.Queue[Measurement] = asyncio.Queue(maxsize=max(1, max_queue))
         self._ready: list[Measurement] = []
-        self.outcomes: deque[AuditOutcome] = deque(maxlen=10_000)  # drained by the validator into the store
+        self.outcomes: deque[StoredAudit] = deque(maxlen=10_000)  # drained by the validator into the store
         self.counts: Counter[str] = Counter()  # sampled, passed, failed, dropped, unauditable, errors
         self.quarantine_changed = False
 
@@ -132,7 +118,7 @@ class Auditor:
             state = "quarantined" if self.book.is_quarantined(m.hotkey) else "released from quarantine"
             logger.warning("uid {} {} {} ({} strikes in its last {} audits)", m.uid, m.hotkey[:10], state,
                            self.book.records[m.hotkey].strikes, self.book.policy.window)
-        self.outcomes.append(AuditOutcome(now, m.hotkey, m.uid, m.probe, verdict.passed,
-                                          None if verdict.failure is None else str(verdict.failure),
-                                          verdict.detail, verdict.tokens))
+        self.outcomes.append(StoredAudit(now, m.hotkey, m.uid, m.probe, verdict.passed,
+                                         None if verdict.failure is None else str(verdict.failure),
+                                         verdict.detail, verdict.tokens))
         self._ready.append(apply_verdict(m, verdict))

@@ -34,7 +34,7 @@ from loguru import logger
 
 from gateway.router import Candidate
 from scoring.audit import StrikeBook
-from scoring.store import CorruptStateError, ScoreStore, StoredAudit
+from scoring.store import CorruptStateError, ScoreStore
 from scoring.weights import why_empty
 
 from ..chain.base import Chain, NeuronInfo
@@ -230,8 +230,7 @@ class Validator:
         if self.auditor is None or self.store is None:
             return
         pending = self.auditor.outcomes
-        outcomes = [StoredAudit(o.at, o.hotkey, o.uid, o.probe, o.passed, o.failure, o.detail, o.tokens)
-                    for o in pending]
+        outcomes = list(pending)
         try:
             await self._io(self.store.save_audits, outcomes, self.auditor.book.to_json())
         except Exception as e:  # kept in memory (bounded) for the next round's save
