@@ -16,6 +16,8 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 from collections.abc import Awaitable, Callable
 
 from loguru import logger
@@ -65,3 +67,16 @@ async def every(interval_s: float, step: Callable[[], Awaitable[None]], *, first
         if next_at < now:  # fell behind (a slow step): skip missed ticks instead of bursting
             next_at = now
         await asyncio.sleep(next_at - now)
+
+
+async def until_stop_signal() -> None:
+    """Return when the process gets SIGINT or SIGTERM (what Ctrl-C, systemd, docker and pm2 send).
+
+    For the long-running servers (miner, reference service): after it returns they clean up and exit 0.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # no signal handlers on some platforms
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

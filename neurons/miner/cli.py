@@ -12,13 +12,13 @@ import argparse
 import asyncio
 import contextlib
 import random
-import signal
 import sys
 
 import aiohttp
 from loguru import logger
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
+from ..supervise import until_stop_signal
 from .runtimes.base import Runtime
 from .runtimes.sim import SimulatedRuntime, parse_profile
 from .server import DEFAULT_MAX_BODY, start_miner
@@ -133,12 +133,7 @@ async def _run(args: argparse.Namespace) -> int:
         logger.info("miner {} listening on {}:{} ({} slots, runtime {}, trust {})", keypair.ss58_address,
                     args.axon_ip, port, args.slots, runtime.name,
                     "allow-list" if args.allow else f"permit holders of netuid {args.netuid} on {args.network}")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stop_signal()
         logger.info("stopping")
     return 0
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import signal
 import sys
 from pathlib import Path
 
 from loguru import logger
 
 from ..model.packaged import ModelUnavailable
+from ..supervise import until_stop_signal
 from ..validator.reference import LlamaReference
 from .server import start_reference_service
 
@@ -29,12 +28,7 @@ async def _run(args: argparse.Namespace, path: Path | None) -> int:
         logger.error("{}", e)
         return 2
     logger.info("reference service on http://{}:{} (model {})", args.host, port, args.model)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stop_signal()
     await runner.cleanup()
     return 0
 
