@@ -176,10 +176,6 @@ class EngineThread:
             raise RuntimeError("engine not loaded")
         return self._pool.submit(fn, self.engine, *args)
 
-    def close(self) -> None:
-        """Drop queued jobs; a running one finishes on its own (use :meth:`aclose` to wait for it)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     async def aclose(self) -> None:
         """Drop queued jobs and wait, off the event loop, until the running one has finished."""
         self._pool.shutdown(wait=False, cancel_futures=True)

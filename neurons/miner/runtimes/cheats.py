@@ -49,11 +49,17 @@ def stop_early(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: 
     return "stop"
 
 
+def _answer_to(other: list[dict[str, Any]], engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int,
+               sampling: SamplingParams, rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    """The model's real answer to ``other``, sent as the answer to ``messages`` (whose prompt size is reported)."""
+    put(len(engine.prompt_ids(messages)))
+    return decode(engine, engine.prompt_ids(other), max_tokens, sampling, rng, cancel,
+                  lambda item: None if isinstance(item, int) else put(item))
+
+
 def cached(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
            rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
-    put(len(engine.prompt_ids(messages)))
-    return decode(engine, engine.prompt_ids(_CACHED_PROMPT), max_tokens, sampling, rng, cancel,
-                  lambda item: None if isinstance(item, int) else put(item))
+    return _answer_to(_CACHED_PROMPT, engine, messages, max_tokens, sampling, rng, cancel, put)
 
 
 def hot(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
@@ -72,9 +78,7 @@ def truncated(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: i
               rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
     words = str(messages[-1].get("content", "")).split(" ")
     short = [{"role": "user", "content": " ".join(words[max(1, len(words) // 3):])}]
-    put(len(engine.prompt_ids(messages)))
-    return decode(engine, engine.prompt_ids(short), max_tokens, sampling, rng, cancel,
-                  lambda item: None if isinstance(item, int) else put(item))
+    return _answer_to(short, engine, messages, max_tokens, sampling, rng, cancel, put)
 
 
 CHEATS: dict[str, Generate] = {
