@@ -109,11 +109,12 @@ class StreamMeter:
                 raise MeterFailure(FailureReason.GARBAGE, str(e)) from None
             self.last_event_at = now
             ids = chunk.token_ids
-            if ids:
-                if self.tokens + len(ids) > self.max_tokens:
+            n = len(ids) if ids else (1 if chunk.content else 0)  # the ids it names, else one per content chunk
+            if n:
+                if self.tokens + n > self.max_tokens:
                     raise MeterFailure(FailureReason.OVERLONG, f"more than max_tokens={self.max_tokens} tokens")
-                self.tokens += len(ids)
-                if self.keep_answer:
+                self.tokens += n
+                if ids and self.keep_answer:
                     self.ids += ids
             if chunk.content:
                 self.chars += len(chunk.content)
@@ -121,9 +122,6 @@ class StreamMeter:
                     raise MeterFailure(FailureReason.GARBAGE, f"more than {self.max_chars} characters of text for "
                                                               f"max_tokens={self.max_tokens}")
                 if not ids:
-                    if self.tokens >= self.max_tokens:
-                        raise MeterFailure(FailureReason.OVERLONG, f"more than max_tokens={self.max_tokens} tokens")
-                    self.tokens += 1
                     self.ids_complete = False
                 if self.keep_answer:
                     self.text.append(chunk.content)
