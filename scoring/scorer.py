@@ -219,12 +219,14 @@ class Scorer:
     def settled(self) -> dict[str, float]:
         return self.settlement.settled()
 
-    def weights(self, hotkey_to_uid: Mapping[str, int], exclude: AbstractSet[str] = frozenset()) -> dict[int, float]:
-        """``{uid: weight}`` for the current metagraph; empty (with a logged reason) when nothing is payable.
+    def payable(self, exclude: AbstractSet[str] = frozenset()) -> dict[str, float]:
+        """Settled scores with ``exclude`` (hotkeys quarantined by their audits) paid 0: what weights come from."""
+        return {hk: (0.0 if hk in exclude else s) for hk, s in self.settled().items()}
 
-        ``exclude``: hotkeys paid 0 whatever they settled at (quarantined by their audits).
-        """
-        settled = {hk: (0.0 if hk in exclude else s) for hk, s in self.settled().items()}
+    def weights(self, hotkey_to_uid: Mapping[str, int], exclude: AbstractSet[str] = frozenset()) -> dict[int, float]:
+        """``{uid: weight}`` for the current metagraph from :meth:`payable`; empty (with a logged reason) when
+        nothing is payable."""
+        settled = self.payable(exclude)
         w = compute_weights(settled, hotkey_to_uid)
         if not w:
             logger.debug("no weights: {}", why_empty(settled, hotkey_to_uid))

@@ -259,8 +259,7 @@ class Validator:
         quarantined = self.quarantined()
         weights = self.scorer.weights(self.hotkey_to_uid, exclude=quarantined)
         if not weights:
-            settled = {hk: (0.0 if hk in quarantined else s) for hk, s in self.scorer.settled().items()}
-            logger.info("not setting weights: {}", why_empty(settled, self.hotkey_to_uid))
+            logger.info("not setting weights: {}", why_empty(self.scorer.payable(quarantined), self.hotkey_to_uid))
             self._last_weights_block = block
             return
         if self.cfg.weights_dry_run:
