@@ -26,6 +26,7 @@ from scoring.measurement import FailureReason
 from .protocol.sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
 
 CHARS_PER_TOKEN_CAP = 32  # characters of answer text allowed per token of max_tokens (plus one chunk's worth)
+CHARS_PER_TOKEN_ESTIMATE = 4  # what an answer without token ids is credited: its characters / 4
 
 
 class MeterFailure(Exception):
@@ -65,6 +66,15 @@ class StreamMeter:
         # No tokenizer's average token comes near 32 characters.
         self.max_chars = CHARS_PER_TOKEN_CAP * max_tokens + max_content_chars
         self.chars = 0
+
+    @property
+    def countable_tokens(self) -> int:
+        """The tokens decode rate and pay count: the ids named, or for a stream that left some out, its
+        characters / 4 (the usual English average; at most ``max_tokens``) whatever its chunks, so cutting
+        text into more chunks earns nothing."""
+        if self.ids_complete:
+            return self.tokens
+        return min(self.max_tokens, -(-self.chars // CHARS_PER_TOKEN_ESTIMATE))
 
     @property
     def content_started(self) -> bool:

@@ -247,7 +247,7 @@ def _exhausted(failures: list[UpstreamError]) -> GatewayError:
     """The answer when no miner produced a byte: 429 when none had room, else 504/502 by the last failure."""
     if not failures:
         return no_capacity("no miner is available for this request; retry shortly")
-    real = [f for f in failures if f.reason != FailureReason.BUSY]
+    real = [f for f in failures if f.reason not in (FailureReason.BUSY, FailureReason.REFUSED)]
     if not real:
         return no_capacity(f"all {len(failures)} miners tried are busy; retry shortly")
     last = real[-1]

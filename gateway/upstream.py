@@ -79,6 +79,19 @@ class UpstreamLimits:
     keep_answers: bool = False  # keep each complete answer (text, token ids) on its measurement, for audits
 
 
+REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
+
+
+def refusal(in_flight: int, slots: int) -> FailureReason:
+    """What a 429 is: the truth (``busy``) when this validator's streams fill the slots the miner declares,
+    a refusal the miner is booked for (``refused``) when at least two of them were free.
+
+    The slack of one: the gateway releases a stream when it reads ``[DONE]``, a moment before the miner's
+    handler returns, so a back-to-back dispatch can find an honest miner still counting the last one.
+    """
+    return FailureReason.REFUSED if in_flight + REFUSAL_SLACK < slots else FailureReason.BUSY
+
+
 def client_fault(status: int, body: bytes) -> str | None:
     """The runtime's message when a miner's refusal says the *request* cannot be served, else None.
 
@@ -311,12 +324,14 @@ class UpstreamStream:
             max_tokens=self.max_tokens,
             ttft_s=meter.ttft_s,
             latency_s=max(0.0, self._loop.time() - self.t0),
-            completion_tokens=meter.tokens,
+            completion_tokens=meter.countable_tokens,
             ok=failure is None,
             failure=failure,
             probe=self.probe,
             concurrency=meter.decode_concurrency(),
             answer=self._answer() if failure is None and meter.keep_answer else None,
+            finish_reason=meter.finish_reason if failure is None else None,
+            slots=self.lease.miner.slots,
         )
         self.measurement = m
         if self._timer is not None:
@@ -411,7 +426,7 @@ class UpstreamStream:
             # read a refusal's small body so the connection can be reused (a refusal is often a 429)
             body = await settle(resp, self._deadline() - self._loop.time(), content_ok=True)
             if status == 429:
-                raise self._fail(FailureReason.BUSY, status=status)
+                raise self._fail(refusal(self.lease.in_flight_at_dispatch, self.lease.miner.slots), status=status)
             rejected = client_fault(status, body)
             if rejected is not None:  # the request's fault (too long for the model): not the miner's
                 raise self._fail(FailureReason.CLIENT_REJECTED, status=status, detail=rejected)

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from scoring.measurement import FailureReason, Measurement
 
 # Failures that are not the miner's fault: a 429 is the miner telling the truth about its capacity,
-# a client disconnect is the caller walking away. Both are excluded from credit (neither 0 nor 1).
+# a client disconnect is the caller walking away (unless the miner had made it wait past the TTFT band:
+# see stalled_client). They are excluded from credit (neither 0 nor 1).
 EXCLUDED_FAILURES: frozenset[str] = frozenset(r for r in FailureReason if not r.blames_miner)
 
 DecodeCurve = tuple[tuple[int, float], ...]
@@ -149,18 +150,37 @@ def _measurement_is_sane(m: Measurement) -> bool:
                 or _bad(m.decode_concurrency))
 
 
-def request_credit(m: Measurement, cfg: CreditConfig) -> float | None:
+def stalled_client(m: Measurement, cfg: CreditConfig) -> bool:
+    """A client that gave up on a miner that had not sent a token by the time its TTFT earned nothing.
+
+    Leaving a request hanging until the client walks away must not be free: that wait is the miner's,
+    so it is booked like a timeout (credit 0). A client that leaves sooner is its own business (excluded).
+    """
+    if m.failure != FailureReason.CLIENT_DISCONNECT or m.ttft_s is not None or _bad(m.latency_s):
+        return False
+    return ttft_credit(m.latency_s, m.prompt_tokens, cfg) == 0.0
+
+
+def request_credit(m: Measurement, cfg: CreditConfig, *, loaded: bool = False) -> float | None:
     """Credit in [0, 1] for one dispatched request, or ``None`` when it is excluded from credit.
 
-    Excluded: ``busy`` (429) and ``client_disconnect``. Every other failure, and any success whose
+    Excluded: a truthful 429 (``busy``), a client leaving before the miner was late, a client-fault
+    refusal and the validator's own resource failures. Every other failure, and any success whose
     numbers are not a possible measurement, is 0.0.
+
+    ``loaded``: judge the decode rate as if the card were running all the slots it declares, i.e.
+    allow for streams of other validators this one cannot see (the scorer grants it to a miner that
+    has shown its full speed in the same round; see :mod:`scoring.rounds`).
     """
     if not m.ok:
+        if stalled_client(m, cfg):
+            return 0.0
         return None if m.failure in EXCLUDED_FAILURES else 0.0
     if not _measurement_is_sane(m):
         return 0.0
     t = ttft_credit(m.ttft_s, m.prompt_tokens, cfg)
     if t == 0.0:
         return 0.0
-    d = decode_credit(m.decode_rate(cfg.min_decode_tokens), m.decode_concurrency, cfg)
+    concurrency = max(m.decode_concurrency, float(m.slots)) if loaded else m.decode_concurrency
+    d = decode_credit(m.decode_rate(cfg.min_decode_tokens), concurrency, cfg)
     return t if d is None else t * d

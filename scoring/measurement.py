@@ -32,7 +32,8 @@ class FailureReason(StrEnum):
     ``/v1/status``, while code compares members, never loose strings.
     """
 
-    BUSY = "busy"  # miner answered 429 (not scored as a failure: the miner told the truth)
+    BUSY = "busy"  # miner answered 429 with this validator's streams filling its declared slots: the truth
+    REFUSED = "refused"  # miner answered 429 while this validator used fewer streams than it declares slots
     CONNECT = "connect"  # could not connect / connection refused
     HTTP_STATUS = "http_status"  # non-200 answer other than 429
     TIMEOUT = "timeout"  # no first token, or stalled, within the deadline
@@ -104,6 +105,13 @@ class Measurement:
     at: float = field(default_factory=time.time)
     answer: Answer | None = field(default=None, repr=False, compare=False)  # complete answers only
     audited: bool = False  # teacher-forced on the reference (passed, or failed with AUDIT_FAILED)
+    finish_reason: str | None = None  # the miner's, for complete answers: "stop" before max_tokens is an early stop
+    slots: int = 1  # streams the miner declared it serves this validator at once, as known at dispatch
+
+    @property
+    def stopped_early(self) -> bool:
+        """Complete, shorter than asked, and not cut by ``max_tokens``: only the model may choose that."""
+        return self.ok and self.finish_reason != "length" and self.completion_tokens < self.max_tokens
 
     @property
     def decode_concurrency(self) -> float:

@@ -3,9 +3,18 @@
 Keyed by hotkey, never by UID: a UID that is re-registered to a new hotkey is a different miner and
 must not inherit anything. The UID is kept only for display.
 
-A miner's round score is the mean credit of its *measured* requests (those not excluded, see
-:data:`scoring.credit.EXCLUDED_FAILURES`). A miner that was dispatched to but completed nothing
-measurable scores 0; a miner that received no request at all is simply absent from the round.
+A miner's round score (its quality) is the mean credit of its *measured* requests (those not
+excluded, see :data:`scoring.credit.EXCLUDED_FAILURES`). A miner that was dispatched to but completed
+nothing measurable scores 0; a miner that received no request at all is simply absent from the round.
+Next to it the round adds up the card-seconds of paid work (:mod:`scoring.pay`); the scorer turns the
+two into the round's value.
+
+Load this validator cannot see: a card also serving other validators decodes slower than this
+validator's own in-flight count predicts. A miner that has shown its full speed in the round (at
+least :data:`SHOWN_SPEED_MIN` requests at full decode credit by this validator's count) is judged as
+if it ran all the slots it declares (``request_credit(..., loaded=True)``); one that never has is
+judged by what this validator sees. A slow card cannot hide behind the allowance: it never shows full
+speed. What a miner that is fast only at times can hide is bounded by the slots it declares.
 
 Example::
 
@@ -22,8 +31,11 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scoring.credit import CreditConfig, request_credit
+from scoring.credit import CreditConfig, decode_credit, request_credit
 from scoring.measurement import Measurement
+from scoring.pay import work_s
+
+SHOWN_SPEED_MIN = 2  # requests at full decode credit (by this validator's count) that earn the load allowance
 
 
 def percentile(samples: Sequence[float], q: float) -> float | None:
@@ -45,7 +57,10 @@ class MinerRound:
     uid: int
     requests: int = 0  # dispatched, whatever the outcome
     measured: int = 0  # requests that count toward credit (not busy / client_disconnect)
-    credit_sum: float = 0.0
+    credit_sum: float = 0.0  # judged by this validator's own in-flight count
+    loaded_sum: float = 0.0  # judged with the allowance for load this validator cannot see
+    shown_speed: int = 0  # requests at full decode credit by this validator's own count
+    work_s: float = 0.0  # card-seconds of paid work (scoring.pay)
     probes: int = 0
     organic: int = 0
     audited: int = 0  # answers teacher-forced on the reference (failed ones also count in failures)
@@ -53,9 +68,16 @@ class MinerRound:
     failures: Counter[str] = field(default_factory=Counter)
 
     @property
+    def allowed_load(self) -> bool:
+        """Whether the miner showed its full speed often enough to be judged at its declared slots."""
+        return self.shown_speed >= SHOWN_SPEED_MIN
+
+    @property
     def score(self) -> float:
         """Mean credit of measured requests; 0 for a miner asked that completed nothing measurable."""
-        return self.credit_sum / self.measured if self.measured else 0.0
+        if not self.measured:
+            return 0.0
+        return (self.loaded_sum if self.allowed_load else self.credit_sum) / self.measured
 
     @property
     def ttft_p50(self) -> float | None:
@@ -69,8 +91,9 @@ class MinerRound:
 class RoundAccumulator:
     """Per-hotkey accumulation for the round in progress. ``add`` is O(1) and cheap."""
 
-    def __init__(self, cfg: CreditConfig) -> None:
+    def __init__(self, cfg: CreditConfig, *, audits: bool = False) -> None:
         self.cfg = cfg
+        self.audits = audits  # answers are audited: an early stop is paid only when its audit confirmed it
         self.miners: dict[str, MinerRound] = {}
 
     def add(self, m: Measurement) -> float | None:
@@ -92,6 +115,11 @@ class RoundAccumulator:
         if credit is not None:
             row.measured += 1
             row.credit_sum += credit
+            row.loaded_sum += max(credit, request_credit(m, self.cfg, loaded=True) or 0.0)
+            if credit > 0 and decode_credit(m.decode_rate(self.cfg.min_decode_tokens), m.decode_concurrency,
+                                            self.cfg) == 1.0:
+                row.shown_speed += 1
+        row.work_s += work_s(m, self.cfg, audits=self.audits)
         if m.ok and m.ttft_s is not None and math.isfinite(m.ttft_s) and m.ttft_s >= 0:
             row.ttft_samples.append(float(m.ttft_s))
         return credit

@@ -1,5 +1,10 @@
 """The scorer: measurements in, round reports, routing credits and weights out.
 
+Two numbers per miner and round, settled over the same trailing window: its **credit** (quality: mean
+request credit, what routing follows) and its **value** (paid card-seconds of work x credit per round
+second, :mod:`scoring.pay`, what weights follow). A slow card is sent less because of its credit and
+so earns less; a card that serves nothing, or serves it split across hotkeys, earns by its work.
+
 It is a :class:`~scoring.measurement.MeasurementSink`: ``record`` folds a measurement into the round
 in progress in O(1) and never raises. ``close_round`` turns the round into a :class:`RoundReport` and
 pushes it into the trailing :class:`Settlement`. The scorer does no I/O: the report carries what to
@@ -8,7 +13,7 @@ store's own thread, so a synchronous SQLite commit never stalls the event loop t
 
 Routing scores, republished each round: a miner with requests in the round just closed is routed
 by that round's score (the freshest evidence, so a card that slows down loses traffic within one
-round); a miner with settled history but no requests this round is routed by its settled value,
+round); a miner with settled history but no requests this round is routed by its settled credit,
 which decays while it stays unmeasured (a miner that settled at 0 stays at 0) until it drops out
 of the window; it is then routed at the router's prior again, like any unmeasured miner. Probes
 reach every miner each round, so a miner routed at 0 still gets re-measured.
@@ -42,6 +47,7 @@ from loguru import logger
 
 from scoring.credit import CreditConfig
 from scoring.measurement import Measurement
+from scoring.pay import round_value
 from scoring.rounds import RoundAccumulator
 from scoring.settlement import Settlement
 from scoring.store import ScoreStore, StoredMiner, StoredRound
@@ -64,6 +70,9 @@ class MinerReport:
     probes: int = 0
     organic: int = 0
     audited: int = 0
+    work_s: float = 0.0  # card-seconds of paid work this round
+    value: float = 0.0  # this round's value (card-equivalents)
+    settled_value: float = 0.0  # trailing-window value after this round: what weights follow
 
     @property
     def audit_passed(self) -> int:
@@ -88,11 +97,13 @@ class RoundReport:
                      quarantined: AbstractSet[str] = frozenset()) -> str:
         """A fixed-width table, one miner per line, for the per-round log.
 
-        ``audit`` is passed/audited answers this round; ``Q`` marks a quarantined miner.
+        ``credit``/``settled``: quality this round and over the window (routing follows it); ``work_s``: paid
+        card-seconds this round; ``value``: settled card-equivalents (weights follow it); ``audit``:
+        passed/audited answers this round; ``Q`` marks a quarantined miner.
         """
         w = weights or {}
         head = f"{'uid':>5} {'hotkey':<12} {'req':>5} {'meas':>5} {'ttft50':>7} {'ttft95':>7} " \
-               f"{'credit':>6} {'settled':>7} {'weight':>6} {'audit':>7}  failures"
+               f"{'credit':>6} {'settled':>7} {'work_s':>7} {'value':>7} {'weight':>6} {'audit':>7}  failures"
         lines = [f"round {self.index}: {len(self.rows)} miners", head]
         for r in sorted(self.rows, key=lambda r: (r.uid, r.hotkey)):
             fails = ",".join(f"{k}={v}" for k, v in sorted(r.failures.items())) or "-"
@@ -100,7 +111,8 @@ class RoundReport:
             audit = f"{r.audit_passed}/{r.audited}" + ("Q" if r.hotkey in quarantined else "")
             lines.append(
                 f"{r.uid:>5} {_short(r.hotkey):<12} {r.requests:>5} {r.measured:>5} {_secs(r.ttft_p50):>7} "
-                f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {weight} {audit:>7}  {fails}"
+                f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {r.work_s:7.2f} {r.settled_value:7.4f} "
+                f"{weight} {audit:>7}  {fails}"
             )
         if self.dropped:
             lines.append(f"({self.dropped} measurements could not be recorded)")
@@ -125,12 +137,16 @@ class Scorer:
         clock: Callable[[], float] = time.time,
         *,
         restore_max_age_s: float = 3600.0,
+        audits: bool = False,
     ) -> None:
         self.config = config or CreditConfig()
         self.clock = clock
         self.restore_max_age_s = restore_max_age_s
-        self.settlement = Settlement(window)
-        self._round = RoundAccumulator(self.config)
+        self.audits = audits  # the validator audits answers: early stops are paid only when audited
+        self.settlement = Settlement(window)  # credits: routing
+        self.values = Settlement(window, cap=None)  # values: weights
+        self._round = RoundAccumulator(self.config, audits=audits)
+        self._round_started = clock()
         self._routing: dict[str, float] = {}
         self._uids: dict[str, int] = {}  # last uid seen per hotkey, for display
         self._next_index = 1
@@ -156,6 +172,7 @@ class Scorer:
         rounds = store.load_rounds(self.settlement.window)
         for r in rounds:
             self.settlement.push(r.scores())
+            self.values.push(r.values())
             for m in r.miners:
                 self._uids[m.hotkey] = m.uid
         routing, _ = store.routing_credits()
@@ -178,14 +195,22 @@ class Scorer:
 
     # -- rounds ----------------------------------------------------------------------------------
 
-    def close_round(self, now: float | None = None) -> RoundReport:
-        """Close the round in progress: settle it and republish routing scores (``report.saved`` to persist)."""
+    def close_round(self, now: float | None = None, *, round_s: float | None = None) -> RoundReport:
+        """Close the round in progress: settle it and republish routing scores (``report.saved`` to persist).
+
+        ``round_s``: the round's length, for its value (default: the time since the last close, or start).
+        """
         ended_at = self.clock() if now is None else now
-        acc, self._round = self._round, RoundAccumulator(self.config)
+        length = round_s if round_s is not None else ended_at - self._round_started
+        self._round_started = ended_at
+        acc, self._round = self._round, RoundAccumulator(self.config, audits=self.audits)
         dropped, self._dropped = self._dropped, 0
         round_scores = acc.scores()
+        round_values = {hk: round_value(row.work_s, row.score, length) for hk, row in acc.miners.items()}
         self.settlement.push(round_scores)
+        self.values.push(round_values)
         settled = self.settlement.settled()
+        settled_values = self.values.settled()
         for hk, played in acc.miners.items():
             self._uids[hk] = played.uid
         self._routing = {hk: s for hk, s in settled.items() if hk not in round_scores}
@@ -197,14 +222,16 @@ class Scorer:
         for hk in sorted(settled):
             row = acc.miners.get(hk)
             uid = self._uids.get(hk, -1)
+            sv = settled_values.get(hk, 0.0)
             if row is None:
-                rows.append(MinerReport(uid, hk, 0, 0, None, None, 0.0, settled[hk]))
+                rows.append(MinerReport(uid, hk, 0, 0, None, None, 0.0, settled[hk], settled_value=sv))
                 continue
             p50, p95 = row.ttft_p50, row.ttft_p95
+            value = round_values[hk]
             rows.append(MinerReport(uid, hk, row.requests, row.measured, p50, p95, row.score, settled[hk],
-                                    dict(row.failures), row.probes, row.organic, row.audited))
+                                    dict(row.failures), row.probes, row.organic, row.audited, row.work_s, value, sv))
             stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
-                                      dict(row.failures)))
+                                      dict(row.failures), work_s=row.work_s, value=value))
         saved = (StoredRound(self._next_index, ended_at, stored), dict(self._routing), dict(self._uids))
         report = RoundReport(self._next_index, ended_at, rows, dropped, saved)
         self._next_index += 1
@@ -219,9 +246,12 @@ class Scorer:
     def settled(self) -> dict[str, float]:
         return self.settlement.settled()
 
+    def settled_values(self) -> dict[str, float]:
+        return self.values.settled()
+
     def payable(self, exclude: AbstractSet[str] = frozenset()) -> dict[str, float]:
-        """Settled scores with ``exclude`` (hotkeys quarantined by their audits) paid 0: what weights come from."""
-        return {hk: (0.0 if hk in exclude else s) for hk, s in self.settled().items()}
+        """Settled values with ``exclude`` (hotkeys quarantined by their audits) paid 0: what weights come from."""
+        return {hk: (0.0 if hk in exclude else v) for hk, v in self.settled_values().items()}
 
     def weights(self, hotkey_to_uid: Mapping[str, int], exclude: AbstractSet[str] = frozenset()) -> dict[int, float]:
         """``{uid: weight}`` for the current metagraph from :meth:`payable`; empty (with a logged reason) when

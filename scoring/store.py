@@ -31,7 +31,7 @@ from pathlib import Path
 
 from loguru import logger
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DEFAULT_FILENAME = "scoring.sqlite"
 
 _SCHEMA = """
@@ -76,6 +76,12 @@ CREATE TABLE audits (
     tokens INTEGER NOT NULL
 );
 CREATE INDEX audits_hotkey ON audits (hotkey, at);
+"""
+# Schema 3: pay for work (issue 14): each round line keeps its paid card-seconds and its value. Rounds
+# stored before are read as worth 0, like rounds in which nobody was paid.
+_SCHEMA_3 = """
+ALTER TABLE round_miners ADD COLUMN work_s REAL NOT NULL DEFAULT 0;
+ALTER TABLE round_miners ADD COLUMN value REAL NOT NULL DEFAULT 0;
 """
 _TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits"})
 
@@ -138,6 +144,8 @@ class StoredMiner:
     ttft_p50: float | None = None
     ttft_p95: float | None = None
     failures: dict[str, int] = field(default_factory=dict)
+    work_s: float = 0.0  # card-seconds of paid work
+    value: float = 0.0  # the round value settlement of pay averages (scoring.pay.round_value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,12 +157,19 @@ class StoredRound:
     def scores(self) -> dict[str, float]:
         return {m.hotkey: m.score for m in self.miners}
 
+    def values(self) -> dict[str, float]:
+        return {m.hotkey: m.value for m in self.miners}
+
 
 @dataclass(frozen=True, slots=True)
 class StoredWeights:
     block: int
     at: float
     weights: dict[int, float]
+
+
+def _finite(x: float) -> float:
+    return float(x) if math.isfinite(x) else 0.0
 
 
 def _opt_float(x: float | None) -> float | None:
@@ -223,14 +238,20 @@ class ScoreStore:
                     self.path, f"an SQLite file with unknown tables {sorted(tables)} and no tensorgate schema"
                 )
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA + _SCHEMA_2 + f"PRAGMA user_version = {SCHEMA_VERSION};")
+                conn.executescript("BEGIN;" + _SCHEMA + _SCHEMA_2 + _SCHEMA_3 +
+                                   f"PRAGMA user_version = {SCHEMA_VERSION};")
             logger.info("scoring state: created {} (schema {})", self.path, SCHEMA_VERSION)
             return
         if version == 1:
             with self._tx(conn):
                 conn.executescript("BEGIN;" + _SCHEMA_2 + "PRAGMA user_version = 2;")
             tables |= {"audits"}
+            version = 2
             logger.info("scoring state: {} migrated from schema 1 to 2 (audit outcomes)", self.path)
+        if version == 2:
+            with self._tx(conn):
+                conn.executescript("BEGIN;" + _SCHEMA_3 + "PRAGMA user_version = 3;")
+            logger.info("scoring state: {} migrated from schema 2 to 3 (paid work per round)", self.path)
         missing = _TABLES - tables
         if missing:
             raise CorruptStateError(self.path, f"schema {version} but tables {sorted(missing)} are missing")
@@ -279,7 +300,7 @@ class ScoreStore:
             (
                 rnd.index, m.hotkey, int(m.uid), int(m.requests), int(m.measured), float(m.score),
                 float(m.credit_sum), _opt_float(m.ttft_p50), _opt_float(m.ttft_p95),
-                json.dumps(dict(m.failures), sort_keys=True),
+                json.dumps(dict(m.failures), sort_keys=True), _finite(m.work_s), _finite(m.value),
             )
             for m in rnd.miners
         ]
@@ -287,7 +308,7 @@ class ScoreStore:
             c.execute("INSERT INTO rounds (idx, ended_at) VALUES (?, ?)", (rnd.index, float(rnd.ended_at)))
             c.executemany(
                 "INSERT INTO round_miners (idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, "
-                "ttft_p95, failures) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "ttft_p95, failures, work_s, value) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             c.execute("DELETE FROM routing")
@@ -308,8 +329,8 @@ class ScoreStore:
                 return []
             by_idx: dict[int, list[StoredMiner]] = {int(i): [] for i, _ in heads}
             for r in c.execute(
-                "SELECT idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, ttft_p95, failures "
-                "FROM round_miners WHERE idx >= ? ORDER BY idx, rowid",
+                "SELECT idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, ttft_p95, failures, "
+                "work_s, value FROM round_miners WHERE idx >= ? ORDER BY idx, rowid",
                 (heads[0][0],),
             ):
                 failures = json.loads(r[9])
@@ -322,6 +343,7 @@ class ScoreStore:
                         ttft_p50=None if r[7] is None else float(r[7]),
                         ttft_p95=None if r[8] is None else float(r[8]),
                         failures={str(k): int(v) for k, v in failures.items()},
+                        work_s=float(r[10]), value=float(r[11]),
                     )
                 )
             return [StoredRound(int(i), float(t), by_idx[int(i)]) for i, t in heads]

@@ -161,10 +161,11 @@ def test_strikes_quarantine_and_release() -> None:
         StrikePolicy(window=2, threshold=3)
 
 
-def _m(ok: bool = True, probe: bool = False, answered: bool = True) -> Measurement:
+def _m(ok: bool = True, probe: bool = False, answered: bool = True, finish: str = "length") -> Measurement:
     return Measurement(uid=1, hotkey="hk", in_flight=0, prompt_tokens=5, max_tokens=16, ttft_s=0.1, latency_s=0.5,
-                       completion_tokens=3, ok=ok, probe=probe, answer=answer() if answered else None,
-                       failure=None if ok else FailureReason.DROPPED)
+                       completion_tokens=3 if finish == "stop" else 16, ok=ok, probe=probe,
+                       answer=answer() if answered else None, failure=None if ok else FailureReason.DROPPED,
+                       finish_reason=finish if ok else None)
 
 
 def test_sampling_policy() -> None:
@@ -173,6 +174,9 @@ def test_sampling_policy() -> None:
     assert 0.17 < picks[True] / 5000 < 0.23  # binomial sd 0.006: a 5-sd band
     assert should_audit(_m(probe=True), rate=0.0, quarantined=False, draw=0.99)
     assert should_audit(_m(), rate=0.0, quarantined=True, draw=0.99)
+    # an early stop is paid only when audited, so it always is
+    assert _m(finish="stop").stopped_early and not _m().stopped_early
+    assert should_audit(_m(finish="stop"), rate=0.0, quarantined=False, draw=0.99)
     assert not should_audit(_m(ok=False), rate=1.0, quarantined=True, draw=0.0)
     assert not should_audit(_m(answered=False), rate=1.0, quarantined=False, draw=0.0)
 

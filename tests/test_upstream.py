@@ -160,6 +160,7 @@ async def test_concurrent_requests_get_distinct_nonces(make_miner, make_gateway)
         (Script("empty"), FailureReason.EMPTY),
         (Script("http500"), FailureReason.HTTP_STATUS),
         (Script("busy"), FailureReason.BUSY),
+        (Script("refuse"), FailureReason.REFUSED),
         (Script("no_done", tokens=3), None),
         (Script("ok", tokens=3), None),
     ],

@@ -170,7 +170,7 @@ async def _validator_with_scores(tmp_path: Path, chain: FakeChain, **cfg_kw: obj
     await v.open_state()
     v.hotkey_to_uid = {"m1": 1, "m2": 2, v.hotkey: 0}
     v.my_uid = 0
-    v.scorer.settled = lambda: {"m1": 0.9, "m2": 0.3}  # type: ignore[method-assign]
+    v.scorer.settled_values = lambda: {"m1": 0.9, "m2": 0.3}  # type: ignore[method-assign]
     v.rounds_closed = 1
     return v
 

@@ -32,7 +32,7 @@ UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "m
 DEFAULT_MAX_TOKENS = 256  # completion length when a request names none
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once, not per request
 CHAT_PATH = "/v1/chat/completions"  # the one route, on the gateway and on every miner
-SLOTS_HEADER = "X-Miner-Slots"  # a miner's declared concurrent capacity, on its answers (advisory)
+SLOTS_HEADER = "X-Miner-Slots"  # streams a miner serves each validator at once, on every answer and 429
 
 
 @dataclass(frozen=True, slots=True)

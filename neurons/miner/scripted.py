@@ -39,7 +39,8 @@ from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 BEHAVIORS = (
     "ok",  # prelude, tokens, finish, usage, [DONE]
     "gated",  # prelude + first token, then waits for .gate before the rest
-    "busy",  # always 429
+    "busy",  # always 429, declaring as many slots as the caller already uses (a miner that is really full)
+    "refuse",  # always 429 while declaring its slots free (booked as a refusal)
     "http500",  # always 500
     "too_long",  # always 400 context_length_exceeded: the runtime says the request is the client's fault
     "hang_headers",  # never sends response headers
@@ -194,9 +195,10 @@ class FakeMiner:
         c.requests += 1
         if self.keep_bodies:
             self.bodies.append(body)
-        if self.script.behavior == "busy" or self.active >= self.slots:
+        if self.script.behavior in ("busy", "refuse") or self.active >= self.slots:
             c.busy_refusals += 1
-            return _error(429, "busy", "busy", "busy", headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
+            declared = max(1, self.active) if self.script.behavior == "busy" else self.slots
+            return _error(429, "busy", "busy", "busy", headers={"Retry-After": "0", SLOTS_HEADER: str(declared)})
         self.active += 1
         c.max_active = max(c.max_active, self.active)
         try:

@@ -3,9 +3,10 @@
 Validators call ``POST /v1/chat/completions`` signed with their hotkey (``bt.http_auth``, btauth/1,
 receiver = this miner's hotkey). The miner checks, in order: body size (413), signature, freshness,
 replay (401) and receiver (403), that the caller is trusted (403: validator-permit hotkeys from the
-metagraph, or an allow-list locally), the JSON (400), then claims one of a fixed number of slots or
+metagraph, or an allow-list locally), the JSON (400), then claims one of the caller's slots or
 answers 429 at once: a miner that queues would hide its load from the validator's router and get
-its TTFT measured worse. Slots are freed on completion, error and client disconnect.
+its TTFT measured worse. Every caller gets ``slots`` streams of its own (a validator books a 429 that
+leaves its declared slots free as a refusal). Slots are freed on completion, error and client disconnect.
 
 Example::
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections import Counter
 from typing import Any
 
 import bittensor as bt
@@ -81,6 +83,7 @@ class MinerServer:
         self.max_body_bytes = max_body_bytes
         self._nonces = nonce_store if nonce_store is not None else RestartSafeNonces()
         self.busy = 0
+        self._busy_by: Counter[str] = Counter()  # streams per caller: each validator gets ``slots`` of its own
         self.served = 0
         self.refused_busy = 0
 
@@ -124,16 +127,23 @@ class MinerServer:
         problem = _check_payload(payload)
         if problem is not None:
             return error_response(400, problem[1], type="invalid_request_error", code="invalid_value", param=problem[0])
-        # Admission: check and claim with no await in between, so it is atomic on the event loop.
-        if self.busy >= self.slots:
+        # Admission: check and claim with no await in between, so it is atomic on the event loop. Slots are
+        # counted per caller: a validator pays a 429 it gets while its own streams leave slots free as a
+        # refusal, so one validator's traffic must never use up another's.
+        who = caller.hotkey_ss58
+        if self._busy_by[who] >= self.slots:
             self.refused_busy += 1
-            return error_response(429, f"all {self.slots} slots are busy", type="busy", code="busy",
+            return error_response(429, f"all {self.slots} of your slots are busy", type="busy", code="busy",
                                   headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
         self.busy += 1
+        self._busy_by[who] += 1
         try:
-            return await self._serve(request, payload, caller.hotkey_ss58)
+            return await self._serve(request, payload, who)
         finally:
             self.busy -= 1
+            self._busy_by[who] -= 1
+            if not self._busy_by[who]:
+                del self._busy_by[who]
 
     def _too_large(self) -> web.Response:
         return error_response(413, f"request body exceeds {self.max_body_bytes} bytes", type="invalid_request_error",

@@ -110,7 +110,7 @@ def build_parts(
                                         keys=api_keys, max_retries=cfg.max_retries, **gateway_options)
     gateway = Gateway(gw_cfg, router, upstream)
     scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
-                    restore_max_age_s=cfg.restore_max_age_s)
+                    restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
     prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix])
     probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()))
     auditor = None

@@ -3,7 +3,9 @@
 Sampling is hidden: every answer names its token ids, so nothing on the wire tells a miner which
 ones the validator replays. Audited are every probe (the validator's own prompts: they reach every
 miner every round, which is the per-miner floor), every answer of a quarantined miner (so it can
-earn its way back), and a random ``rate`` of the organic rest, drawn by the caller from a private RNG.
+earn its way back), every organic answer that stopped before ``max_tokens`` (it is paid only when its
+audit confirms the model chose to stop: :mod:`scoring.pay`), and a random ``rate`` of the organic
+rest, drawn by the caller from a private RNG.
 
 A passed audit pays the tokens the reference verified (not the chunks the gateway counted), and the
 prompt is counted by the reference's tokenizer instead of the gateway's estimate (which runs ~45 %
@@ -30,7 +32,7 @@ def should_audit(m: Measurement, *, rate: float, quarantined: bool, draw: float)
     """Whether to audit ``m``; ``draw`` is a uniform [0, 1) number from the caller's private RNG."""
     if not m.ok or m.answer is None:
         return False
-    return m.probe or quarantined or draw < rate
+    return m.probe or quarantined or m.stopped_early or draw < rate
 
 
 def apply_verdict(m: Measurement, verdict: Verdict) -> Measurement:

@@ -177,9 +177,11 @@ class SimulatedRuntime:
         j = self.profile.jitter
         return max(0.5, 1.0 + self._rng.gauss(0.0, j)) if j > 0 else 1.0
 
-    def _word(self, first: bool) -> str:
-        w = self._rng.choice(_VOCAB)
-        return w.capitalize() if first else " " + w
+    def _word(self, frames: ChunkFramer, first: bool) -> bytes:
+        """One token's chunk, naming its id (the word's place in the vocabulary), as vLLM's ``return_token_ids``."""
+        i = self._rng.randrange(len(_VOCAB))
+        w = _VOCAB[i]
+        return frames.tokens(w.capitalize() if first else " " + w, [i])
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
@@ -220,7 +222,7 @@ class SimulatedRuntime:
             yield frame(frames.chunk({"role": "assistant"}, None))
             await asyncio.sleep(max(0.0, ttft_real - (loop.time() - now)))
 
-            out = [frames.content(self._word(True))]
+            out = [self._word(frames, True)]
             emitted = 1
             if garbage:
                 out.append(GARBAGE_FRAME)
@@ -240,7 +242,7 @@ class SimulatedRuntime:
                     continue
                 owed -= k
                 emitted += k
-                yield b"".join(frames.content(self._word(False)) for _ in range(k))
+                yield b"".join(self._word(frames, False) for _ in range(k))
             if drop_at is not None and emitted >= drop_at:
                 return  # abrupt end: no finish_reason, no [DONE]
             tail = [frame(frames.chunk({}, finish))]

@@ -1,0 +1,165 @@
+"""Pay for verified work (issue 14): what a request is worth, what a round is worth, who cannot game it."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from gateway.metering import StreamMeter
+from gateway.protocol.sse import ChunkFramer, frame
+from scoring.credit import CreditConfig, request_credit
+from scoring.measurement import FailureReason, Measurement
+from scoring.pay import paid_tokens, peak_decode_rate, round_value, work_s
+from scoring.rounds import SHOWN_SPEED_MIN, RoundAccumulator
+from scoring.scorer import Scorer
+
+CFG = CreditConfig()
+ROUND_S = 60.0
+
+
+def answer(hk: str = "a", *, tokens: int = 64, max_tokens: int = 64, ttft: float = 0.3, rate: float = 440.0,
+           concurrency: float = 1.0, probe: bool = False, finish: str = "length", audited: bool = False,
+           slots: int = 4, prompt: int = 0) -> Measurement:
+    return Measurement(uid=1, hotkey=hk, in_flight=0, prompt_tokens=prompt, max_tokens=max_tokens, ttft_s=ttft,
+                       latency_s=ttft + (tokens - 1) / rate, completion_tokens=tokens, ok=True, probe=probe,
+                       concurrency=concurrency, finish_reason=finish, audited=audited, slots=slots)
+
+
+def test_work_is_card_time_of_paid_tokens_and_prompt() -> None:
+    assert peak_decode_rate(CFG) == 440.0
+    m = answer(tokens=64, prompt=2400)
+    assert work_s(m, CFG, audits=True) == pytest.approx(64 / 440 + 2400 / 24000)
+    # a long prompt is paid the prefill time it takes, no more: 10x the prompt is +0.9 card-seconds
+    assert work_s(answer(prompt=24000), CFG, audits=True) - work_s(answer(prompt=2400), CFG, audits=True) == \
+        pytest.approx(0.9)
+
+
+def test_probes_failures_and_unconfirmed_early_stops_are_not_paid() -> None:
+    assert paid_tokens(answer(probe=True), audits=True) == 0
+    failed = dataclasses.replace(answer(), ok=False, failure=FailureReason.DROPPED)
+    assert paid_tokens(failed, audits=True) == 0
+    early = answer(tokens=2, finish="stop")
+    assert early.stopped_early
+    assert paid_tokens(early, audits=True) == 0  # two tokens and stop: worth nothing until an audit says so
+    assert paid_tokens(dataclasses.replace(early, audited=True), audits=True) == 2
+    assert paid_tokens(early, audits=False) == 2  # a validator without a reference cannot tell: paid as measured
+    assert paid_tokens(answer(tokens=64, finish="stop"), audits=True) == 64  # stop at max_tokens is not early
+    assert paid_tokens(answer(tokens=80, max_tokens=64), audits=True) == 64  # never past max_tokens
+
+
+def test_round_value_is_work_times_quality_per_round_second() -> None:
+    assert round_value(30.0, 0.5, 60.0) == pytest.approx(0.25)
+    assert round_value(30.0, 1.7, 60.0) == pytest.approx(0.5)  # quality is a credit: at most 1
+    for bad in ((float("nan"), 1.0, 60.0), (1.0, 1.0, 0.0), (-5.0, 1.0, 60.0), (1.0, float("inf"), 60.0)):
+        assert round_value(*bad) == 0.0
+
+
+def test_splitting_chunks_without_ids_earns_nothing() -> None:
+    """Half a token per chunk (no ids): counted by characters / 4, not by chunks."""
+    def meter_for(pieces: list[str]) -> StreamMeter:
+        f = ChunkFramer("c", 1, "m")
+        meter = StreamMeter(max_tokens=200, started_at=0.0)
+        for i, p in enumerate(pieces):
+            meter.feed(f.content(p), now=0.1 + i * 0.01)
+        meter.feed(frame(f.chunk({}, "length")) + b"data: [DONE]\n\n", now=1.0)
+        return meter
+
+    words = [f" w{i:03d}" for i in range(40)]  # 40 words of 5 characters
+    whole = meter_for(words)
+    halves = meter_for([h for w in words for h in (w[:2], w[2:])])
+    assert whole.tokens == 40 and halves.tokens == 80  # chunks: what the meter used to pay
+    assert whole.countable_tokens == halves.countable_tokens == 50  # 200 characters / 4, however chunked
+    with_ids = StreamMeter(max_tokens=200, started_at=0.0)
+    f = ChunkFramer("c", 1, "m")
+    for i, w in enumerate(words):
+        with_ids.feed(f.tokens(w, [i]), now=0.1 + i * 0.01)
+    assert with_ids.countable_tokens == 40  # ids are counted as they are (the audit checks them)
+
+
+def test_a_client_left_hanging_past_the_ttft_band_is_the_miners_timeout() -> None:
+    gone = Measurement(uid=1, hotkey="a", in_flight=0, prompt_tokens=0, max_tokens=64, ttft_s=None, latency_s=0.3,
+                       completion_tokens=0, ok=False, failure=FailureReason.CLIENT_DISCONNECT)
+    assert request_credit(gone, CFG) is None  # left within the band: the client's own business
+    hung = dataclasses.replace(gone, latency_s=CFG.zero_band_s + 0.01)
+    assert request_credit(hung, CFG) == 0.0
+    prefill = dataclasses.replace(hung, prompt_tokens=48000)  # 2 s of prefill allowance: not late yet
+    assert request_credit(prefill, CFG) is None
+
+
+def test_load_allowance_needs_shown_speed_and_stops_at_declared_slots() -> None:
+    """Load from other validators: a card that has shown full speed is judged at its declared slots."""
+    loaded_rate = 300.0 / 2  # one invisible stream shares the card
+    acc = RoundAccumulator(CFG)
+    for _ in range(5):
+        acc.add(answer("shown", rate=loaded_rate))
+    assert acc.miners["shown"].score == 0.0  # 150 tok/s against 440 expected at concurrency 1
+    for _ in range(SHOWN_SPEED_MIN):
+        acc.add(answer("shown", rate=440.0))
+    assert acc.miners["shown"].allowed_load and acc.miners["shown"].score == pytest.approx(1.0)
+    # a card that is never fast gets no allowance: a slow card cannot hide behind invisible load
+    slow = RoundAccumulator(CFG)
+    for _ in range(10):
+        slow.add(answer("slow", rate=loaded_rate))
+    assert not slow.miners["slow"].allowed_load and slow.miners["slow"].score == 0.0
+    # the allowance stops at the slots it declares: 2 slots cannot excuse a card shared 8 ways
+    over = RoundAccumulator(CFG)
+    for _ in range(SHOWN_SPEED_MIN):
+        over.add(answer("over", rate=440.0, slots=2))
+    for _ in range(5):
+        over.add(answer("over", rate=300.0 / 8, slots=2))
+    assert over.miners["over"].allowed_load
+    assert over.miners["over"].score == pytest.approx(SHOWN_SPEED_MIN / (SHOWN_SPEED_MIN + 5))
+
+
+def test_one_card_split_across_hotkeys_earns_what_it_earns_as_one() -> None:
+    rng = random.Random(3)
+    one, split = Scorer(CFG), Scorer(CFG)
+    for _ in range(3):
+        for _ in range(40):  # same work in both runs: 40 answers of the card, 40 of an honest neighbour
+            n = rng.choice((32, 64, 128))
+            one.record(answer("card", tokens=n, max_tokens=128))
+            split.record(answer(rng.choice(["s1", "s2", "s3", "s4"]), tokens=n, max_tokens=128))
+            m = answer("honest", tokens=n, max_tokens=128)
+            one.record(m)
+            split.record(m)
+        one.close_round(round_s=ROUND_S)
+        split.close_round(round_s=ROUND_S)
+    w_one = one.weights({"card": 1, "honest": 2})
+    w_split = split.weights({"s1": 1, "s2": 3, "s3": 4, "s4": 5, "honest": 2})
+    assert w_one[1] == pytest.approx(0.5)
+    assert sum(w_split[u] for u in (1, 3, 4, 5)) == pytest.approx(w_one[1])
+
+
+def test_a_miner_that_serves_only_probes_earns_nothing() -> None:
+    s = Scorer(CFG)
+    for _ in range(10):
+        s.record(answer("probe-only", probe=True))
+        s.record(failed := dataclasses.replace(answer("probe-only"), ok=False, failure=FailureReason.REFUSED,
+                                               ttft_s=None, completion_tokens=0))
+        s.record(answer("honest"))
+    assert failed.failure.blames_miner
+    report = s.close_round(round_s=ROUND_S)
+    rows = report.by_hotkey()
+    assert rows["probe-only"].credit == pytest.approx(0.5)  # its probes were perfect, its refusals 0
+    assert rows["probe-only"].work_s == 0.0 and rows["probe-only"].value == 0.0
+    assert s.weights({"probe-only": 1, "honest": 2}) == {2: 1.0}
+
+
+def test_value_survives_a_restart(tmp_path) -> None:
+    from scoring.store import ScoreStore
+
+    t = [1_000_000.0]
+    with ScoreStore(tmp_path) as st:
+        s = Scorer(CFG, clock=lambda: t[0])
+        s.restore(st)
+        for _ in range(20):
+            s.record(answer("a"))
+        t[0] += ROUND_S
+        st.save_round(*s.close_round().saved)  # type: ignore[misc]
+        before = s.settled_values()
+        assert before["a"] == pytest.approx(20 * 64 / 440 / ROUND_S)
+        again = Scorer(CFG, clock=lambda: t[0])
+        assert again.restore(st)
+        assert again.settled_values() == pytest.approx(before)
