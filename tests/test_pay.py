@@ -139,7 +139,7 @@ def test_a_miner_that_serves_only_probes_earns_nothing() -> None:
         s.record(failed := dataclasses.replace(answer("probe-only"), ok=False, failure=FailureReason.REFUSED,
                                                ttft_s=None, completion_tokens=0))
         s.record(answer("honest"))
-    assert failed.failure.blames_miner
+    assert failed.failure is not None and failed.failure.blames_miner
     report = s.close_round(round_s=ROUND_S)
     rows = report.by_hotkey()
     assert rows["probe-only"].credit == pytest.approx(0.5)  # its probes were perfect, its refusals 0
