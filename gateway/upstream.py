@@ -161,21 +161,25 @@ class Upstream:
         self._draining: set[asyncio.Task[bytes]] = set()
 
     async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,
-                   timeouts: UpstreamTimeouts | None = None) -> UpstreamStream:
+                   timeouts: UpstreamTimeouts | None = None, capacity_check: bool = False) -> UpstreamStream:
         """Sign and POST ``payload`` (made the miner body: streamed, with usage) to the lease's miner.
 
         Returns once the miner answered 200 with an event stream. Raises :class:`UpstreamError`
         (measurement recorded) for busy, connect errors, non-200, timeouts before headers.
         """
-        stream = UpstreamStream(self, lease, payload, probe=probe, timeouts=timeouts or self.timeouts)
+        stream = UpstreamStream(self, lease, payload, probe=probe, timeouts=timeouts or self.timeouts,
+                                capacity_check=capacity_check)
         await stream.connect()
         return stream
 
     async def probe(self, lease: Lease, payload: dict[str, Any], *,
-                    timeouts: UpstreamTimeouts | None = None) -> Measurement:
-        """A probe: the organic code path, consumed to the end. Never raises for miner failures."""
+                    timeouts: UpstreamTimeouts | None = None, capacity_check: bool = False) -> Measurement:
+        """A probe: the organic code path, consumed to the end. Never raises for miner failures.
+
+        ``capacity_check``: one of the probes that fill every miner's slots at once (see ``ProbeRunner``).
+        """
         try:
-            stream = await self.open(lease, payload, probe=True, timeouts=timeouts)
+            stream = await self.open(lease, payload, probe=True, timeouts=timeouts, capacity_check=capacity_check)
         except UpstreamError as e:
             return e.measurement
         async with stream:
@@ -245,7 +249,7 @@ class UpstreamStream:
     """
 
     def __init__(self, upstream: Upstream, lease: Lease, payload: dict[str, Any], *, probe: bool,
-                 timeouts: UpstreamTimeouts) -> None:
+                 timeouts: UpstreamTimeouts, capacity_check: bool = False) -> None:
         self._up = upstream
         self._loop = asyncio.get_running_loop()
         self.t0 = self._loop.time()  # the TTFT clock starts at dispatch, before anything else
@@ -253,6 +257,7 @@ class UpstreamStream:
         self.uid = lease.miner.uid
         self.hotkey = lease.miner.hotkey
         self.probe = probe
+        self.capacity_check = capacity_check
         self._tmo = timeouts
         limits = upstream.limits
         self.max_tokens = requested_max_tokens(payload, limits.default_max_tokens)
@@ -332,6 +337,7 @@ class UpstreamStream:
             answer=self._answer() if failure is None and meter.keep_answer else None,
             finish_reason=meter.finish_reason if failure is None else None,
             slots=self.lease.miner.slots,
+            capacity_check=self.capacity_check,
         )
         self.measurement = m
         if self._timer is not None:

@@ -61,6 +61,8 @@ class MinerRound:
     loaded_sum: float = 0.0  # judged with the allowance for load this validator cannot see
     shown_speed: int = 0  # requests at full decode credit by this validator's own count
     work_s: float = 0.0  # card-seconds of paid work (scoring.pay)
+    capacity_rates: list[float] = field(default_factory=list)  # per capacity-check stream (scoring.capacity)
+    capacity_load: list[float] = field(default_factory=list)  # this validator's streams on it meanwhile
     probes: int = 0
     organic: int = 0
     audited: int = 0  # answers teacher-forced on the reference (failed ones also count in failures)
@@ -80,12 +82,26 @@ class MinerRound:
         return (self.loaded_sum if self.allowed_load else self.credit_sum) / self.measured
 
     @property
+    def capacity_concurrency(self) -> float:
+        """Mean of this validator's streams on the miner during its capacity-check streams."""
+        return sum(self.capacity_load) / len(self.capacity_load) if self.capacity_load else 0.0
+
+    @property
     def ttft_p50(self) -> float | None:
         return percentile(self.ttft_samples, 50)
 
     @property
     def ttft_p95(self) -> float | None:
         return percentile(self.ttft_samples, 95)
+
+
+def _delivered_rate(m: Measurement, cfg: CreditConfig) -> float:
+    """What one capacity-check stream delivered, tok/s: 0 for a failure; tokens over the whole latency for
+    an answer too short to time its decode (so stopping after two tokens shows no capacity either)."""
+    if not m.ok or not math.isfinite(m.latency_s) or m.latency_s <= 0:
+        return 0.0
+    rate = m.decode_rate(cfg.min_decode_tokens)
+    return rate if rate is not None else m.completion_tokens / m.latency_s
 
 
 class RoundAccumulator:
@@ -120,6 +136,9 @@ class RoundAccumulator:
                                             self.cfg) == 1.0:
                 row.shown_speed += 1
         row.work_s += work_s(m, self.cfg, audits=self.audits)
+        if m.capacity_check and credit is not None:  # a truthful 429 (our streams over its slots) is not judged
+            row.capacity_rates.append(_delivered_rate(m, self.cfg))
+            row.capacity_load.append(m.decode_concurrency if m.ok else float(m.in_flight + 1))
         if m.ok and m.ttft_s is not None and math.isfinite(m.ttft_s) and m.ttft_s >= 0:
             row.ttft_samples.append(float(m.ttft_s))
         return credit

@@ -16,7 +16,9 @@ by that round's score (the freshest evidence, so a card that slows down loses tr
 round); a miner with settled history but no requests this round is routed by its settled credit,
 which decays while it stays unmeasured (a miner that settled at 0 stays at 0) until it drops out
 of the window; it is then routed at the router's prior again, like any unmeasured miner. Probes
-reach every miner each round, so a miner routed at 0 still gets re-measured.
+reach every miner each round, so a miner routed at 0 still gets re-measured. Each is multiplied by
+the miner's capacity (:mod:`scoring.capacity`: ~1 for one honest card, 0.25 for each of four hotkeys
+sharing one, 2 for two cards behind one hotkey), so traffic follows hardware, not hotkeys.
 
 Restore on start: with a store whose last round ended less than ``restore_max_age_s`` ago, the
 settlement window and the routing credits come back, so miners measured recently are routable at
@@ -45,6 +47,7 @@ from dataclasses import dataclass, field
 
 from loguru import logger
 
+from scoring.capacity import CapacityBook, capacity_ratio
 from scoring.credit import CreditConfig
 from scoring.measurement import Measurement
 from scoring.pay import round_value
@@ -73,6 +76,7 @@ class MinerReport:
     work_s: float = 0.0  # card-seconds of paid work this round
     value: float = 0.0  # this round's value (card-equivalents)
     settled_value: float = 0.0  # trailing-window value after this round: what weights follow
+    capacity: float = 1.0  # routing multiplier from the capacity checks (scoring.capacity)
 
     @property
     def audit_passed(self) -> int:
@@ -97,13 +101,15 @@ class RoundReport:
                      quarantined: AbstractSet[str] = frozenset()) -> str:
         """A fixed-width table, one miner per line, for the per-round log.
 
-        ``credit``/``settled``: quality this round and over the window (routing follows it); ``work_s``: paid
+        ``credit``/``settled``: quality this round and over the window (routing follows it); ``cards``: the
+        capacity multiplier of routing (:mod:`scoring.capacity`); ``work_s``: paid
         card-seconds this round; ``value``: settled card-equivalents (weights follow it); ``audit``:
         passed/audited answers this round; ``Q`` marks a quarantined miner.
         """
         w = weights or {}
         head = f"{'uid':>5} {'hotkey':<12} {'req':>5} {'meas':>5} {'ttft50':>7} {'ttft95':>7} " \
-               f"{'credit':>6} {'settled':>7} {'work_s':>7} {'value':>7} {'weight':>6} {'audit':>7}  failures"
+               f"{'credit':>6} {'settled':>7} {'cards':>5} {'work_s':>7} {'value':>7} {'weight':>6} " \
+               f"{'audit':>7}  failures"
         lines = [f"round {self.index}: {len(self.rows)} miners", head]
         for r in sorted(self.rows, key=lambda r: (r.uid, r.hotkey)):
             fails = ",".join(f"{k}={v}" for k, v in sorted(r.failures.items())) or "-"
@@ -111,8 +117,8 @@ class RoundReport:
             audit = f"{r.audit_passed}/{r.audited}" + ("Q" if r.hotkey in quarantined else "")
             lines.append(
                 f"{r.uid:>5} {_short(r.hotkey):<12} {r.requests:>5} {r.measured:>5} {_secs(r.ttft_p50):>7} "
-                f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {r.work_s:7.2f} {r.settled_value:7.4f} "
-                f"{weight} {audit:>7}  {fails}"
+                f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {r.capacity:5.2f} {r.work_s:7.2f} "
+                f"{r.settled_value:7.4f} {weight} {audit:>7}  {fails}"
             )
         if self.dropped:
             lines.append(f"({self.dropped} measurements could not be recorded)")
@@ -145,6 +151,7 @@ class Scorer:
         self.audits = audits  # the validator audits answers: early stops are paid only when audited
         self.settlement = Settlement(window)  # credits: routing
         self.values = Settlement(window, cap=None)  # values: weights
+        self.capacity = CapacityBook(window)  # routing credit x best recent capacity ratio
         self._round = RoundAccumulator(self.config, audits=audits)
         self._round_started = clock()
         self._routing: dict[str, float] = {}
@@ -213,8 +220,13 @@ class Scorer:
         settled_values = self.values.settled()
         for hk, played in acc.miners.items():
             self._uids[hk] = played.uid
+            ratio = capacity_ratio(played.capacity_rates, played.capacity_concurrency, self.config)
+            if ratio is not None:
+                self.capacity.push(hk, ratio)
+        self.capacity.forget(set(settled))
         self._routing = {hk: s for hk, s in settled.items() if hk not in round_scores}
         self._routing.update(round_scores)
+        self._routing = {hk: s * self.capacity.multiplier(hk) for hk, s in self._routing.items()}
         self._uids = {hk: uid for hk, uid in self._uids.items() if hk in settled}
 
         rows: list[MinerReport] = []
@@ -224,12 +236,14 @@ class Scorer:
             uid = self._uids.get(hk, -1)
             sv = settled_values.get(hk, 0.0)
             if row is None:
-                rows.append(MinerReport(uid, hk, 0, 0, None, None, 0.0, settled[hk], settled_value=sv))
+                rows.append(MinerReport(uid, hk, 0, 0, None, None, 0.0, settled[hk], settled_value=sv,
+                                        capacity=self.capacity.multiplier(hk)))
                 continue
             p50, p95 = row.ttft_p50, row.ttft_p95
             value = round_values[hk]
             rows.append(MinerReport(uid, hk, row.requests, row.measured, p50, p95, row.score, settled[hk],
-                                    dict(row.failures), row.probes, row.organic, row.audited, row.work_s, value, sv))
+                                    dict(row.failures), row.probes, row.organic, row.audited, row.work_s, value, sv,
+                                    self.capacity.multiplier(hk)))
             stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
                                       dict(row.failures), work_s=row.work_s, value=value))
         saved = (StoredRound(self._next_index, ended_at, stored), dict(self._routing), dict(self._uids))

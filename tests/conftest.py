@@ -80,10 +80,12 @@ async def make_sim_miner(
     started: list[SimMiner] = []
 
     async def make(profile: str = "rtx5090:time_scale=20", *, slots: int = 2, seed: int = 0,
-                   tag: str | None = None) -> SimMiner:
+                   tag: str | None = None, runtime: Any = None) -> SimMiner:
+        """``runtime``: share another miner's (``m.server.runtime``): one card behind several hotkeys."""
         i = len(started)
         kp = miner_keys[i]
-        runtime = SimulatedRuntime(parse_profile(profile), rng=random.Random(seed + i))
+        if runtime is None:
+            runtime = SimulatedRuntime(parse_profile(profile), rng=random.Random(seed + i))
         runner, port = await start_miner(kp, runtime, slots=slots, trust=AllowList({alice.ss58_address}))
         m = SimMiner(tag=tag or f"sim{i}", keypair=kp, slots=slots, port=int(port), server=runner.app[MINER_KEY],
                      runner=runner)

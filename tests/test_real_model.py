@@ -169,8 +169,10 @@ def test_local_subnet_real_mode_quarantines_cheaters(tmp_path: Path, capsys: pyt
     for a in audits:
         by_uid.setdefault(a.uid, []).append(a.passed)
     assert by_uid.get(1) and all(by_uid[1]), by_uid  # the honest miner passed every audit
-    for cheat in (2, 3):  # random tokens fail every audit; a one-token "stop" is sometimes plausible (bench: 90 %)
-        assert len(by_uid.get(cheat, [])) >= 3 and by_uid[cheat].count(False) >= 0.75 * len(by_uid[cheat]), by_uid
+    # random tokens fail every audit; a one-token "stop" is sometimes plausible (bench: caught 90 %), so over
+    # ~7 audits it fails at least 60 % of them (P(miss) ~3 % at 90 %) and is quarantined either way (below)
+    assert len(by_uid.get(2, [])) >= 3 and all(not p for p in by_uid[2]), by_uid
+    assert len(by_uid.get(3, [])) >= 3 and by_uid[3].count(False) >= 0.6 * len(by_uid[3]), by_uid
     quarantined = {hk for hk, r in strikes.items() if isinstance(r, dict) and r.get("quarantined_at") is not None}
     assert len(quarantined) == 2, strikes
     capsys.readouterr()

@@ -122,15 +122,15 @@ def test_format_table() -> None:
     table = report.format_table(weights={12: 1.0})
     lines = table.splitlines()
     assert lines[0].startswith("round 1")
-    for col in ("uid", "req", "ttft50", "credit", "settled", "work_s", "value", "weight"):
+    for col in ("uid", "req", "ttft50", "credit", "settled", "cards", "work_s", "value", "weight"):
         assert col in lines[1]
     row = lines[2].split()
     assert row[0] == "12" and row[1] == "5FHne..694ty"
     assert row[2] == "2" and row[4] == "0.500"  # requests, ttft p50
-    assert row[6] == "0.875" and row[7] == "0.875" and row[10] == "1.000"
-    assert row[8] == "0.29"  # two answers of 64 tokens at 440 tok/s: 0.29 card-seconds
-    assert float(row[9]) == pytest.approx(2 * 64 / 440 * 0.875 / ROUND_S, abs=1e-4)
-    assert report.format_table().splitlines()[2].split()[10] == "-"
+    assert row[6] == "0.875" and row[7] == "0.875" and row[8] == "1.00" and row[11] == "1.000"
+    assert row[9] == "0.29"  # two answers of 64 tokens at 440 tok/s: 0.29 card-seconds
+    assert float(row[10]) == pytest.approx(2 * 64 / 440 * 0.875 / ROUND_S, abs=1e-4)
+    assert report.format_table().splitlines()[2].split()[11] == "-"
 
 
 def test_rounds_are_persisted(tmp_path: Path) -> None:

@@ -112,7 +112,8 @@ def build_parts(
     scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
     prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix])
-    probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()))
+    probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()),
+                         capacity_check=cfg.capacity_check)
     auditor = None
     if reference is not None:  # sampled with the system RNG: a seeded run must not make audits predictable
         auditor = Auditor(reference, bands or AuditBands(), StrikeBook(), rate=cfg.audit_rate,

@@ -38,6 +38,7 @@ class ValidatorConfig:
     weights_dry_run: bool = False
     weights_version_key: int | None = None  # None: the subnet's WeightsVersionKey, read from the chain
     probes_per_round: int = 2
+    capacity_check: bool = True  # once a round, fill every miner's slots at once (scoring.capacity)
     sync_interval_blocks: int = 10
     min_validator_stake: float = DEFAULT_MIN_VALIDATOR_STAKE
     restore_max_age_s: float = 3600.0
@@ -124,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a permit holder with this much stake (or any validator trust) is a validator, not a miner")
     sc.add_argument("--restore.max-age", dest="restore_max_age_s", type=float, default=d.restore_max_age_s,
                     help="seconds within which saved credits make miners routable at once after a restart")
+    sc.add_argument("--probes.capacity-check", dest="capacity_check", choices=("on", "off"),
+                    default="on" if d.capacity_check else "off",
+                    help="once a round, fill every miner's declared slots at the same moment, so one card "
+                         "registered as several hotkeys shows it (costs the sum of all slots in streams)")
     sc.add_argument("--probes.mix", dest="prompt_mix", choices=("gpu", "cpu"), default=d.prompt_mix,
                     help="request sizes of probes: gpu (up to 3.5k-token prompts, 512-token answers) or cpu")
     sc.add_argument("--credit.profile", dest="credit_profile", default=d.credit_profile,
@@ -178,6 +183,7 @@ def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
     if not values.get("models"):
         values["models"] = [DEFAULT_MODEL]
     values["state_dir"] = Path(os.path.expanduser(str(values["state_dir"])))
+    values["capacity_check"] = values["capacity_check"] == "on"
     cfg = ValidatorConfig(**values)
     if cfg.audit_url and cfg.audit_model != "none":
         build_parser().error("--audit.url and --audit.model are two references: pass one")

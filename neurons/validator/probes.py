@@ -5,6 +5,12 @@ the very same path as an organic request after routing (same signer, same reques
 upstream code, same measurement), only the miner is chosen by the schedule instead of the router,
 so a miner cannot tell probes from organic traffic and serve them better.
 
+Once a round, at a random moment, the **capacity check** fills every miner's free declared slots but
+one at the same instant (:mod:`scoring.capacity`): one card registered as several hotkeys then
+carries all their streams at once and shows it; the slot left free keeps serving users. It costs
+the validator the sum of all miners' slots in streams of :data:`CAPACITY_TOKENS` tokens (about a
+second on a 5090) once a round; ``capacity_check=False`` turns it off.
+
 Example::
 
     plan = plan_round(uids=[1, 2, 3], per_miner=2, round_s=300.0, rng=random.Random(0))
@@ -15,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, Protocol
 
 from loguru import logger
 
@@ -33,22 +39,30 @@ def plan_round(uids: Iterable[int], per_miner: int, round_s: float, rng: random.
     return plan
 
 
-ProbeFn = Callable[[Lease, dict[str, Any]], Awaitable[Any]]
+CAPACITY_TOKENS = 64  # long enough to time a decode rate under load, short enough to hold the slots ~1 s
+
+
+class ProbeFn(Protocol):
+    """``Upstream.probe``: one probe on a lease, measured and recorded like organic traffic."""
+
+    def __call__(self, lease: Lease, payload: dict[str, Any], *, capacity_check: bool = False) -> Awaitable[Any]: ...
 
 
 class ProbeRunner:
     """Runs one round's probe plan; each probe holds a router lease so organic routing sees it."""
 
     def __init__(self, router: Router, probe: ProbeFn, prompts: PromptGenerator, model: str,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, *, capacity_check: bool = True) -> None:
         self._router = router
         self._probe = probe
         self._prompts = prompts
         self._model = model
         self._rng = rng if rng is not None else random.Random()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.capacity_check = capacity_check
         self.sent = 0
         self.skipped = 0
+        self.capacity_streams = 0
 
     async def run_round(self, per_miner: int, round_s: float) -> None:
         """Fire this round's plan, then return at the round's end.
@@ -57,19 +71,43 @@ class ProbeRunner:
         miner's failure); they finish in the background and land in the next round.
         """
         uids = [m.uid for m in self._router.miners()]
-        plan = plan_round(uids, per_miner, round_s, self._rng)
+        plan: list[tuple[float, int | None]] = list(plan_round(uids, per_miner, round_s, self._rng))
+        if self.capacity_check and uids:
+            plan.append((self._rng.uniform(0.0, round_s * 0.6), None))  # None: the capacity check
+            plan.sort(key=lambda x: x[0])
         loop = asyncio.get_running_loop()
         start = loop.time()
         for offset, uid in plan:
             delay = start + offset - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            t = asyncio.create_task(self._one(uid), name=f"probe-{uid}")
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            if uid is None:
+                self.check_capacity()
+                continue
+            self._spawn(self._one(uid), f"probe-{uid}")
         left = start + round_s - loop.time()
         if left > 0:
             await asyncio.sleep(left)
+
+    def check_capacity(self) -> int:
+        """Fill every miner's free declared slots but one with probes, all started now; returns how many."""
+        leases: list[Lease] = []
+        for m in self._router.miners():
+            for _ in range(max(1 if m.in_flight == 0 else 0, m.slots - m.in_flight - 1)):
+                lease = self._router.acquire_uid(m.uid)
+                if lease is not None:
+                    leases.append(lease)
+        for lease in leases:
+            payload = self._prompts.payload(self._model)
+            payload["max_tokens"] = CAPACITY_TOKENS
+            self._spawn(self._with_lease(lease, payload, capacity_check=True), f"capacity-{lease.miner.uid}")
+        self.capacity_streams += len(leases)
+        return len(leases)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        t = asyncio.create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
         """Cancel probes still in flight (shutdown)."""
@@ -82,12 +120,15 @@ class ProbeRunner:
         if lease is None:  # the miner left the metagraph since the plan was made
             self.skipped += 1
             return
+        await self._with_lease(lease, self._prompts.payload(self._model))
+
+    async def _with_lease(self, lease: Lease, payload: dict[str, Any], *, capacity_check: bool = False) -> None:
         try:
             self.sent += 1
-            await self._probe(lease, self._prompts.payload(self._model))
+            await self._probe(lease, payload, capacity_check=capacity_check)
         except asyncio.CancelledError:
             raise
         except Exception:
-            logger.opt(exception=True).warning("probe to uid {} raised", uid)
+            logger.opt(exception=True).warning("probe to uid {} raised", lease.miner.uid)
         finally:
             self._router.release(lease)
