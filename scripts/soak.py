@@ -40,7 +40,7 @@ from soak_lib.report import format_table, summarize, target_lines, to_json  # no
 from soak_lib.routers import ROUTERS  # noqa: E402
 from soak_lib.scenarios import Scenario, build_scenarios  # noqa: E402
 
-SCENARIO_NAMES = ("seed", "burst", "mixed", "capacity")
+SCENARIO_NAMES = ("seed", "burst", "mixed", "capacity", "adversarial")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scenario", default="all", choices=(*SCENARIO_NAMES, "all"),
                    help="seed: 2 identical cards, 1 request/20 s, never overlapping; burst: bursts of 2-16; "
                         "mixed: 4 cards of different speeds, one degrades, one dies and returns; "
-                        "capacity: one miner with twice the slots")
+                        "capacity: one miner with twice the slots; adversarial: honest cards (one with other "
+                        "validators' load) next to every cheater of issue 14 (project router only)")
     p.add_argument("--router", default="both", choices=(*ROUTERS, "both", "all"),
                    help="project: gateway.router.Router as the validator wires it (slots learned from X-Miner-Slots); "
                         "deterministic: fewest in flight then highest score; slots: the project router with slot "
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def routers_for(args: argparse.Namespace, sc: Scenario) -> list[str]:
+    if sc.name == "adversarial":  # a test of the pay rules, not a comparison of routers
+        return ["project"]
     kinds = {"both": ["project", "deterministic"], "all": list(ROUTERS)}.get(args.router, [args.router])
     proposal = "slots" if sc.name == "capacity" else "smooth"
     if args.proposal and proposal not in kinds:

@@ -55,6 +55,8 @@ def test_prints_tables_and_target_lines(smoke: tuple[str, dict]) -> None:
             assert f"== {scenario} / router={router}:" in out
             assert re.search(rf"^(PASS|FAIL) \[{scenario}/{router}\] ", out, re.M), (scenario, router)
     assert "== capacity / router=slots:" in out  # the capacity-aware proposal runs next to them
+    assert "== adversarial / router=project:" in out  # issue 14's cheaters, under the project router only
+    assert re.search(r"^(PASS|FAIL) \[adversarial/project\] cheater 'split' ", out, re.M)
     header = next(line for line in out.splitlines() if line.startswith("miner "))
     for col in ("served", "share", "p50ms", "p95ms", "credit", "settled", "weight"):
         assert col in header.split()
@@ -175,3 +177,14 @@ def test_smooth_router_follows_scores_exactly_and_routes_zero_scores_last() -> N
     lease = r.acquire()  # z is the only idle miner, but it is routed at 0: a busy positive one goes first
     assert lease is not None and lease.miner.uid in (1, 2)
     assert r.acquire(exclude={1, 2}).miner.uid == 3  # type: ignore[union-attr]  # last resort only
+
+
+def test_adversarial_miners_without_user_work_are_paid_nothing(smoke: tuple[str, dict]) -> None:
+    """Whatever the timing: a miner that serves only probes (told apart perfectly) serves no user and earns 0."""
+    run = _runs(smoke[1], "adversarial")["project"]
+    per = run["per_round"]
+    for cheat in ("probes-only", "probes-stall"):
+        assert sum(per[cheat]["served"]) == 0 and sum(per[cheat]["probes"]) > 0, (cheat, per[cheat])
+        assert all(w == 0.0 for w in per[cheat]["weight"]), (cheat, per[cheat]["weight"])
+    honest = [per[f"honest-{i}"]["weight"][-1] for i in (1, 2, 3)]
+    assert min(honest) > 0.0

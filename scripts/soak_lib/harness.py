@@ -40,6 +40,7 @@ from scoring.measurement import Measurement
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
 
+from .cheaters import CheatRuntime, ProbeOracle
 from .load import CardRuntime, MultiCardRuntime
 from .routers import learn_slots, make_router
 from .scenarios import Scenario
@@ -77,6 +78,7 @@ class MinerSeries:
     alive: list[bool] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)  # simulated s, successful requests (organic + probes)
     runtime_ttfts: list[float] = field(default_factory=list)  # simulated s, measured inside the card
+    background_streams: int = 0  # streams the card served for other validators (invisible load)
     max_in_flight_at_dispatch: int = 0
 
 
@@ -95,21 +97,29 @@ class RunResult:
 
 
 class _Prompts(PromptGenerator):
-    """The project's prompt generator with the scenario's completion lengths (sub-second in ``seed``)."""
+    """The project's prompt generator with the scenario's completion lengths (sub-second in ``seed``).
 
-    def __init__(self, rng: random.Random, max_tokens: tuple[int, ...]) -> None:
+    ``oracle``: told every prompt made, so the adversarial scenario's cheaters recognise probes perfectly.
+    """
+
+    def __init__(self, rng: random.Random, max_tokens: tuple[int, ...], oracle: ProbeOracle | None = None) -> None:
         super().__init__(rng)
         self._choices = max_tokens
+        self._oracle = oracle
 
     def payload(self, model: str) -> dict[str, Any]:
         p = super().payload(model)
         p["max_tokens"] = self._rng.choice(self._choices)
+        if self._oracle is not None:
+            self._oracle.remember(p)
         return p
 
 
+Runtime = CardRuntime | MultiCardRuntime | CheatRuntime
+
+
 class _Miner:
-    def __init__(self, label: str, uid: int, key: Keypair, runtime: CardRuntime | MultiCardRuntime,
-                 slots: int) -> None:
+    def __init__(self, label: str, uid: int, key: Keypair, runtime: Runtime, slots: int) -> None:
         self.label, self.uid, self.key, self.runtime, self.slots = label, uid, key, runtime, slots
         self.runner: web.AppRunner | None = None
         self.port = 0
@@ -138,6 +148,25 @@ def _runtime_for(spec: Any, opts: RunOptions, rng: random.Random, util: bool) ->
     return card()
 
 
+def _runtimes(sc: Scenario, opts: RunOptions, rng: random.Random, oracle: ProbeOracle) -> list[Runtime]:
+    """One runtime per miner: its own card, a card shared with the other hotkeys naming it, a cheat on top."""
+    shared: dict[str, CardRuntime | MultiCardRuntime] = {}
+    out: list[Runtime] = []
+    for spec in sc.cards:
+        if spec.card:
+            if spec.card not in shared:
+                shared[spec.card] = _runtime_for(spec, opts, rng, sc.util_ttft)
+            base = shared[spec.card]
+        else:
+            base = _runtime_for(spec, opts, rng, sc.util_ttft)
+        if spec.cheat:
+            assert isinstance(base, CardRuntime), "cheats run on one card"
+            out.append(CheatRuntime(base, spec.cheat, slots=spec.slots, is_probe=oracle))
+        else:
+            out.append(base)
+    return out
+
+
 async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunResult:
     """One bounded soak run; every server and task is stopped before it returns."""
     t_start = time.monotonic()
@@ -146,9 +175,10 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
     scale = opts.scale
     vkey = Keypair.create_from_uri("//tensorgate-soak-validator")
     trust = AllowList({vkey.ss58_address})
-    miners = [_Miner(spec.label, uid, Keypair.create_from_uri(f"//tensorgate-soak-miner-{uid}"),
-                     _runtime_for(spec, opts, rng, sc.util_ttft), spec.slots)
-              for uid, spec in enumerate(sc.cards, start=1)]
+    oracle = ProbeOracle()
+    miners = [_Miner(spec.label, uid, Keypair.create_from_uri(f"//tensorgate-soak-miner-{uid}"), runtime, spec.slots)
+              for uid, (spec, runtime) in enumerate(zip(sc.cards, _runtimes(sc, opts, rng, oracle), strict=True),
+                                                    start=1)]
     by_label = {m.label: m for m in miners}
     by_uid = {m.uid: m for m in miners}
     hk2uid = {m.key.ss58_address: m.uid for m in miners}
@@ -171,6 +201,10 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         for m in miners:
             await m.start(trust)
             stack.push_async_callback(m.stop)
+        for spec, m in zip(sc.cards, miners, strict=True):
+            if spec.background_rps > 0 and isinstance(m.runtime, CardRuntime):
+                bg = asyncio.create_task(m.runtime.background(spec.background_rps, random.Random(rng.random())))
+                stack.push_async_callback(_cancelled, bg)
         session = await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)))
         client = await stack.enter_async_context(aiohttp.ClientSession(
@@ -197,7 +231,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         gw = parts.gateway
         url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
         prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens)
-        probe_prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens)
+        probe_prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens, oracle)
         traffic_rng = random.Random(rng.random())
         probes = ProbeRunner(router, upstream.probe, probe_prompts, MODEL, random.Random(rng.random()))
         alive = {m.label: True for m in miners}
@@ -300,8 +334,15 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
             await asyncio.gather(*tasks, return_exceptions=True)
     for m in miners:
         result.series[m.label].runtime_ttfts = list(m.runtime.runtime_ttfts)
+        if isinstance(m.runtime, CardRuntime):
+            result.series[m.label].background_streams = m.runtime.background_streams
     result.wall_s = time.monotonic() - t_start
     return result
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[_Miner], alive: dict[str, bool],

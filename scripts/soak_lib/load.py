@@ -58,6 +58,7 @@ class CardRuntime:
         self._t: float | None = None
         self.runtime_ttfts: list[float] = []  # simulated seconds, runtime side
         self.extra_ttfts: list[float] = []  # simulated seconds added by the utilisation term
+        self.background_streams = 0  # served for other validators (see background)
 
     @property
     def profile(self) -> CardProfile:
@@ -115,6 +116,30 @@ class CardRuntime:
         finally:
             self._advance(loop.time())
             self._n -= 1
+
+
+    async def background(self, rps: float, rng: random.Random) -> None:
+        """Streams from other validators, invisible to this one: Poisson arrivals at ``rps`` (simulated),
+        sharing the card's decode with its own streams; runs until cancelled."""
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                await asyncio.sleep(rng.expovariate(rps) / self.scale)
+                payload = {"messages": [{"role": "user", "content": "other validator " * rng.randint(4, 60)}],
+                           "max_tokens": rng.choice((64, 96, 128)), "stream": True}
+                t = asyncio.create_task(self._drain(payload))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+        finally:
+            for t in list(tasks):
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _drain(self, payload: dict[str, Any]) -> None:
+        self.background_streams += 1
+        async with contextlib.aclosing(self.inner.stream(payload)) as frames:
+            async for _ in frames:
+                pass
 
 
 class MultiCardRuntime:

@@ -18,11 +18,16 @@ from typing import Any
 from scoring.rounds import percentile
 
 from .harness import MinerSeries, RunResult
-from .scenarios import Scenario
+from .scenarios import CHEATERS, Scenario
 
 SHARE_TOLERANCE = 0.10  # identical cards: within 10 % (relative) of the equal share
 CREDIT_TOLERANCE = 0.03  # identical cards: final settled scores within 0.03
 CAPACITY_CREDIT_SLACK = 0.01  # "without a lower credit": measurement noise allowance, stated in the line
+CHEAT_BOUND = 1.0  # a cheater's final weight over an honest card's (mean of the unloaded honest cards)
+SPLIT_BOUND = 1.05  # one card as several hotkeys, all of them together, over the same card as one hotkey
+NO_WORK_BOUND = 0.1  # a cheater with no real work to show (probes only, two-token answers): ~0
+BACKGROUND_CREDIT_TOLERANCE = 0.05  # settled credit of a card carrying other validators' load vs unloaded
+CAPACITY_WEIGHT_BAND = (1.6, 2.4)  # twice the cards and slots: about twice the weight
 DOMINANT_MARGIN = 0.15  # a round's top-share miner counts as dominant above 1/n + this
 
 
@@ -137,13 +142,51 @@ def _targets(sc: Scenario, res: RunResult, summ: Summary) -> list[Target]:
         out.append(Target(f"dead card {sc.dies!r} settles to 0 within the window", settled_end <= 1e-9,
                           f"settled {d.settled[die - 1]:.3f} before death -> {settled_end:.3f} at round {back - 1}; "
                           f"after return: {sum(d.served[back:])} organic served, settled {d.settled[-1]:.3f}"))
+    if sc.honest:
+        out += _adversarial_targets(sc, S)
     if sc.big is not None:
         big, small = sc.big
+        wb, ws = S[big].weight[-1], S[small].weight[-1]
+        ratio = wb / ws if ws > 0 else math.inf
+        lo, hi = CAPACITY_WEIGHT_BAND
+        out.append(Target(f"{big!r} earns about twice the weight of {small!r}", lo <= ratio <= hi,
+                          f"weight {wb:.3f} vs {ws:.3f}: {ratio:.2f}x (band {lo}-{hi})"))
         sb, ss = summ.shares[big], summ.shares[small]
         cb, cs = S[big].settled[-1], S[small].settled[-1]
         out.append(Target(f"{big!r} gets more traffic than {small!r} without a lower credit",
                           sb > ss and cb >= cs - CAPACITY_CREDIT_SLACK,
                           f"share {sb:.3f} vs {ss:.3f}; settled {cb:.3f} vs {cs:.3f} (slack {CAPACITY_CREDIT_SLACK})"))
+    return out
+
+
+def _adversarial_targets(sc: Scenario, S: dict[str, MinerSeries]) -> list[Target]:
+    """Issue 14's proof: no cheater out-earns an honest card; invisible load costs an honest card nothing."""
+    out: list[Target] = []
+    honest_w = sum(S[x].weight[-1] for x in sc.honest) / len(sc.honest)
+    honest_c = sum(S[x].settled[-1] for x in sc.honest) / len(sc.honest)
+    groups: dict[str, list[str]] = {}
+    for spec in sc.cards:
+        key = spec.card or spec.label
+        if key in CHEATERS:
+            groups.setdefault(key, []).append(spec.label)
+    for name, labels in groups.items():
+        w = sum(S[x].weight[-1] for x in labels)
+        ratio = w / honest_w if honest_w > 0 else math.inf
+        bound = NO_WORK_BOUND if CHEATERS[name] else SPLIT_BOUND if len(labels) > 1 else CHEAT_BOUND
+        what = f"{len(labels)} hotkeys on one card" if len(labels) > 1 else "one hotkey"
+        out.append(Target(f"cheater {name!r} ({what}) ends at <= {bound}x an honest card's weight", ratio <= bound,
+                          f"weight {w:.4f} vs honest {honest_w:.4f}: {ratio:.2f}x; settled credit "
+                          f"{sum(S[x].settled[-1] for x in labels) / len(labels):.3f}"))
+    if sc.background is not None:
+        b = S[sc.background]
+        diff = abs(b.settled[-1] - honest_c)
+        wr = b.weight[-1] / honest_w if honest_w > 0 else math.inf
+        out.append(Target(f"honest card with invisible load {sc.background!r} within "
+                          f"{BACKGROUND_CREDIT_TOLERANCE} settled credit of an unloaded one",
+                          diff <= BACKGROUND_CREDIT_TOLERANCE,
+                          f"settled {b.settled[-1]:.3f} vs {honest_c:.3f} (diff {diff:.3f}); weight {wr:.2f}x; it "
+                          f"carried {b.background_streams} streams of other validators next to {sum(b.served)} "
+                          f"of this one's"))
     return out
 
 
@@ -208,7 +251,8 @@ def to_json(sc: Scenario, res: RunResult, summ: Summary) -> dict[str, Any]:
         "overlap_violations": res.overlap_violations, "slots_seen": res.slots_seen,
         "miners": miner_rows(sc, res),
         "per_round": {k: {"share": s.share, "credit": s.credit, "settled": s.settled, "weight": s.weight,
-                          "served": s.served, "dispatched": s.dispatched, "alive": s.alive}
+                          "served": s.served, "dispatched": s.dispatched, "alive": s.alive, "probes": s.probes,
+                          "background_streams": s.background_streams}
                       for k, s in res.series.items()},
         "summary": {"shares": summ.shares, "expected_shares": summ.expected_shares,
                     "max_round_credit_diff": summ.max_round_credit_diff,

@@ -31,6 +31,23 @@ class CardSpec:
     profile: CardProfile
     slots: int = 4
     cards: int = 1  # GPUs behind the one endpoint (the capacity scenario's big miner has 2)
+    cheat: str = ""  # soak_lib.cheaters.CHEATS: how this miner lies on top of its card
+    card: str = ""  # miners naming the same card share one runtime: one GPU registered as several hotkeys
+    background_rps: float = 0.0  # requests/s (simulated) from other validators, invisible to this one
+
+
+# The adversarial scenario's cheaters (issue 14): label or shared card -> whether it has no real work to
+# show (its weight must end near 0, not just at most an honest card's).
+CHEATERS: dict[str, bool] = {
+    "split-429": False,  # one card as 4 hotkeys, each refusing (429) while the card is busy
+    "split": False,  # the same without the refusals
+    "probes-only": True,  # serves the validator's probes (told apart perfectly), refuses every user
+    "probes-stall": True,  # serves probes, leaves users hanging
+    "stop-early": True,  # two tokens, then "stop"
+    "half-chunks": False,  # a half-speed card sending every token as 2 id-less chunks
+    "refuse-busy": False,  # refuses (429) whenever it already has a stream
+}
+HALF_SPEED = CardProfile(name="rtx5090-half", single_tok_s=220.0, aggregate_tok_s=150.0, chunks_per_token=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +87,8 @@ class Scenario:
     degrades: str | None = None
     dies: str | None = None
     big: tuple[str, str] | None = None  # (big miner, small miner) for the capacity target
+    honest: tuple[str, ...] = ()  # adversarial: unloaded honest cards, the yardstick
+    background: str | None = None  # adversarial: the honest card with invisible load
     labels: tuple[str, ...] = field(default=())
 
     def card(self, label: str) -> CardSpec:
@@ -124,5 +143,24 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
         round_s=20.0 if smoke else 60.0,
         big=("big-8slot", "small-4slot"),
     )
-    out = {s.name: s for s in (seed, burst, mixed, capacity)}
+    honest = tuple(CardSpec(f"honest-{i}", FAST) for i in (1, 2, 3))
+    adversarial = Scenario(
+        name="adversarial",
+        description="three honest 5090s, one more carrying other validators' traffic, and every cheater of "
+                    "issue 14 built on the same simulated card",
+        cards=(*honest, CardSpec("honest-bg", FAST, background_rps=0.6),
+               *(CardSpec(f"split-429/{i}", FAST, cheat="refuse-when-card-busy", card="split-429") for i in range(4)),
+               *(CardSpec(f"split/{i}", FAST, card="split") for i in range(4)),
+               CardSpec("probes-only", FAST, cheat="probes-only"),
+               CardSpec("probes-stall", FAST, cheat="probes-stall"),
+               CardSpec("stop-early", dataclasses.replace(FAST, stop_after_tokens=2)),
+               CardSpec("half-chunks", HALF_SPEED),
+               CardSpec("refuse-busy", FAST, cheat="refuse-when-card-busy")),
+        traffic=Traffic("poisson", interval_s=0.5, max_tokens=(64, 96, 128, 192)),
+        rounds=3 if smoke else window,
+        round_s=20.0 if smoke else 60.0,
+        honest=tuple(c.label for c in honest),
+        background="honest-bg",
+    )
+    out = {s.name: s for s in (seed, burst, mixed, capacity, adversarial)}
     return {k: dataclasses.replace(v, labels=tuple(c.label for c in v.cards)) for k, v in out.items()}

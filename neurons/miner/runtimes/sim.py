@@ -77,6 +77,9 @@ class CardProfile:
     garbage: float = 0.0  # chance of an invalid-JSON frame after the first token
     overlong: float = 0.0  # chance of ignoring max_tokens (25 % more tokens, at least 8)
     nan_usage: float = 0.0  # chance of NaN in the usage chunk
+    # cheats (the soak's adversarial scenario): what a dishonest miner does with a real card
+    stop_after_tokens: int = 0  # > 0: answer this many tokens, then claim the model stopped ("stop")
+    chunks_per_token: int = 1  # > 1: cut each token's text into this many chunks and name no token ids
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -93,8 +96,10 @@ class CardProfile:
         for name in ("stop_rate", "fail_rate", "garbage", "overlong", "nan_usage"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"CardProfile.{name} is a probability in [0, 1], got {getattr(self, name)!r}")
-        if self.max_completion_tokens < 1 or self.drop_after_tokens < 0:
-            raise ValueError("max_completion_tokens must be >= 1 and drop_after_tokens >= 0")
+        if self.max_completion_tokens < 1 or self.drop_after_tokens < 0 or self.stop_after_tokens < 0:
+            raise ValueError("max_completion_tokens must be >= 1, drop_after_tokens and stop_after_tokens >= 0")
+        if self.chunks_per_token < 1:
+            raise ValueError(f"chunks_per_token must be >= 1, got {self.chunks_per_token}")
 
     def per_stream_tok_s(self, n: int) -> float:
         """Simulated decode rate of each of ``n`` streams sharing the card."""
@@ -181,7 +186,12 @@ class SimulatedRuntime:
         """One token's chunk, naming its id (the word's place in the vocabulary), as vLLM's ``return_token_ids``."""
         i = self._rng.randrange(len(_VOCAB))
         w = _VOCAB[i]
-        return frames.tokens(w.capitalize() if first else " " + w, [i])
+        text = w.capitalize() if first else " " + w
+        k = self.profile.chunks_per_token
+        if k > 1:
+            cut = [text[len(text) * j // k: len(text) * (j + 1) // k] for j in range(k)]
+            return b"".join(frames.content(piece) for piece in cut if piece)
+        return frames.tokens(text, [i])
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
@@ -200,6 +210,8 @@ class SimulatedRuntime:
         elif p.stop_rate > 0 and rng.random() < p.stop_rate:
             total = max(1, int(total * rng.uniform(0.5, 1.0)))
             finish = "stop"
+        if 0 < p.stop_after_tokens < total:
+            total, finish = p.stop_after_tokens, "stop"
         drop_at = p.drop_after_tokens if p.drop_after_tokens > 0 else None
         garbage = rng.random() < p.garbage
         nan_usage = rng.random() < p.nan_usage

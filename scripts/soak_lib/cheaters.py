@@ -1,0 +1,100 @@
+"""Dishonest miners for the adversarial soak: real (simulated) cards, served with lies on top.
+
+Each cheat of issue 14's exploit table is built the strongest way the project could think of: the
+probe-recognising miners are told *perfectly* which requests are the validator's probes (the
+harness hands them an oracle, where a real cheater would guess from prompt templates and parameter
+menus), so the scenario tests the pay rules, not how well probes are disguised.
+
+* ``refuse-when-card-busy``: answer 429 (declaring its slots free) whenever its card already has a
+  stream; on a card shared by several hotkeys that is "another hotkey of mine is using the card".
+* ``probes-only``: serve the validator's probes, refuse every user request with a 429.
+* ``probes-stall``: serve probes, leave every user request hanging before its first byte.
+
+Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
+every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
+
+Example::
+
+    rt = CheatRuntime(card, "probes-only", slots=4, is_probe=oracle)
+    runner, port = await start_miner(key, rt, slots=4, trust=trust)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from gateway.protocol.openai import SLOTS_HEADER
+from neurons.miner.runtimes.base import RuntimeFailure, RuntimeHealth
+
+from .load import CardRuntime
+
+CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall")
+HANG_S = 3600.0  # "until the client gives up": the validator's first-token deadline ends it long before
+
+
+class CheatRuntime:
+    """One hotkey's view of a (possibly shared) card, with a lie on top."""
+
+    def __init__(self, card: CardRuntime, cheat: str, *, slots: int,
+                 is_probe: Callable[[dict[str, Any]], bool]) -> None:
+        if cheat not in CHEATS:
+            raise ValueError(f"unknown cheat {cheat!r}; known: {', '.join(CHEATS)}")
+        self.card = card
+        self.cheat = cheat
+        self.slots = slots
+        self.is_probe = is_probe
+        self.name = f"cheat:{cheat}:{card.name}"
+        self.refused = 0
+
+    @property
+    def active(self) -> int:
+        return self.card.active
+
+    @property
+    def runtime_ttfts(self) -> list[float]:
+        return self.card.runtime_ttfts
+
+    def health(self) -> RuntimeHealth:
+        return self.card.health()
+
+    def set_profile(self, profile: Any) -> None:
+        self.card.set_profile(profile)
+
+    def _refuse(self) -> RuntimeFailure:
+        self.refused += 1
+        return RuntimeFailure("busy", status=429, type="busy", code="busy",
+                              headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
+
+    async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+        if self.cheat == "refuse-when-card-busy" and self.card.active > 0:
+            raise self._refuse()
+        if self.cheat != "refuse-when-card-busy" and not self.is_probe(payload):
+            if self.cheat == "probes-only":
+                raise self._refuse()
+            await asyncio.sleep(HANG_S)
+        async with contextlib.aclosing(self.card.stream(payload)) as frames:
+            async for chunk in frames:
+                yield chunk
+
+
+class ProbeOracle:
+    """Remembers the validator's probe prompts, so a cheater can be told them apart perfectly."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def remember(self, payload: dict[str, Any]) -> None:
+        self._seen.add(_key(payload))
+
+    def __call__(self, payload: dict[str, Any]) -> bool:
+        return _key(payload) in self._seen
+
+
+def _key(payload: dict[str, Any]) -> str:
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+        return ""
+    return str(messages[-1].get("content"))
