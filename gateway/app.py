@@ -26,19 +26,21 @@ from __future__ import annotations
 import gc
 import json
 import re
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from .asgi import ClientGone, Receive, Scope, Send, send_json
-from .auth import ApiKeyAuth, load_key_hashes
+from .auth import ApiKeyAuth, load_keys
 from .http.server import HttpServer
-from .protocol.errors import GatewayError, invalid_json, payload_too_large, unauthorized
+from .protocol.errors import GatewayError, invalid_json, payload_too_large, rate_limited, unauthorized
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SchemaLimits, parse_chat_request
+from .quota import KeyPolicy, QuotaBook, Refusal
 from .relay import Relay, RelayConfig
 from .router import Router
 from .upstream import Upstream, UpstreamTimeouts
@@ -51,7 +53,7 @@ _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters (tab allow
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: an ephemeral port, read it back from Gateway.port
-    api_key_hashes: frozenset[str] = frozenset()
+    api_keys: Mapping[str, KeyPolicy] = field(default_factory=dict)  # {sha256 of the key: its name and limits}
     models: tuple[str, ...] = DEFAULT_MODELS
     max_body_bytes: int = 1 << 20
     max_head_bytes: int = 16 * 1024  # request line and headers; longer is refused, never buffered
@@ -79,12 +81,15 @@ class GatewayConfig:
         **kwargs: Any,
     ) -> GatewayConfig:
         """A config whose API keys come from a file, a list and ``TENSORGATE_API_KEYS`` (hashed)."""
-        hashes = load_key_hashes(keys_file=keys_file, keys=keys, env=env)
-        if not hashes:
+        policies = load_keys(keys_file=keys_file, keys=keys, env=env)
+        if not policies:
             logger.warning("gateway has no API keys configured: every /v1 request will get 401")
+        limited = sum(1 for p in policies.values() if p.limited)
+        if limited:
+            logger.info("{} API keys, {} with limits", len(policies), limited)
         if models is not None:
             kwargs["models"] = tuple(models)
-        return cls(api_key_hashes=hashes, **kwargs)
+        return cls(api_keys=policies, **kwargs)
 
     def relay_config(self) -> RelayConfig:
         return RelayConfig(max_retries=self.max_retries, timeouts=self.timeouts,
@@ -101,7 +106,8 @@ class Gateway:
         self.config = config
         self.router = router
         self.upstream = upstream
-        self.auth = ApiKeyAuth(config.api_key_hashes)
+        self.auth = ApiKeyAuth(config.api_keys)
+        self.quota = QuotaBook()  # usage and limits per key name
         self.limits = SchemaLimits(models=tuple(config.models), default_max_tokens=config.default_max_tokens,
                                    max_tokens_cap=config.max_tokens_cap)
         self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
@@ -170,9 +176,11 @@ class Gateway:
             raise GatewayError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": allow})
         return route
 
-    def _authorize(self, headers: dict[str, str]) -> None:
-        if not self.auth.check(headers.get("authorization")):
+    def _authorize(self, headers: dict[str, str]) -> KeyPolicy:
+        policy = self.auth.identify(headers.get("authorization"))
+        if policy is None:
             raise unauthorized()
+        return policy
 
     async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
         """The request body, refused (413) as soon as it is known to exceed ``max_body_bytes``."""
@@ -206,7 +214,7 @@ class Gateway:
         await send_json(send, 200, {"object": "list", "data": data})
 
     async def _status(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        self._authorize(headers)
+        policy = self._authorize(headers)
         miners = []
         for m in self.router.miners():
             st = self.upstream.stats.get(m.uid)
@@ -224,19 +232,35 @@ class Gateway:
                 "failures": dict(st.failures) if st else {},
                 "ttft_p50_s": st.ttft_p50() if st else None,
             })
+        usage = self.quota.usage.get(policy.name)
+        key = {"name": policy.name,  # the caller's own key only: other keys' names and usage are not its business
+               "limits": {"rpm": policy.rpm, "tpm": policy.tpm, "tpd": policy.tpd, "streams": policy.streams},
+               "day": usage.day if usage else None, "requests_today": usage.requests if usage else 0,
+               "tokens_today": usage.tokens if usage else 0, "in_flight": usage.in_flight if usage else 0}
         await send_json(send, 200, {"in_flight": self.router.total_in_flight(),
                                     "dispatched": self.upstream.dispatched, "outcomes": dict(self.outcomes),
-                                    "miners": miners})
+                                    "miners": miners, "key": key})
 
     async def _chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        self._authorize(headers)  # from the head: an unauthenticated client cannot make us read its body
+        policy = self._authorize(headers)  # from the head: an unauthenticated client cannot make us read its body
         raw = await self._read_body(headers, receive)
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):
             raise invalid_json() from None
         req = parse_chat_request(body, self.limits)
-        await self.relay.serve(req, send)
+        ticket = self.quota.admit(policy, req.prompt_tokens + req.max_tokens, time.time())
+        if isinstance(ticket, Refusal):
+            raise rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
+                               ticket.retry_after_s)
+        used = ticket.reserved  # a client that leaves mid-answer is charged what it could have used
+        try:
+            used = req.prompt_tokens + await self.relay.serve(req, send)
+        except GatewayError:
+            used = 0  # no miner answered: nothing was served
+            raise
+        finally:
+            self.quota.settle(ticket, used, time.time())
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -3,11 +3,21 @@
 Hashing means a memory dump or a status page can never leak a usable key; comparing digests with
 ``hmac.compare_digest`` against every stored hash keeps the check's timing independent of the key.
 
+The keys file has one key per line, optionally followed by its name and limits
+(:class:`gateway.quota.KeyPolicy`)::
+
+    sk-alice-0123   name=alice rpm=60 tpm=100000 tpd=2000000 streams=4
+    sk-bob-4567     name=bob                         # named, unlimited
+    sk-anon-89ab                                     # named key-<first 8 hex of its hash>, unlimited
+
+A line that cannot be read stops the start with its line number (a typo must not silently lift a
+limit). Keys from the list or the environment are unlimited.
+
 Example::
 
-    hashes = load_key_hashes(keys_file="keys.txt", keys=["sk-local"], env={})
-    auth = ApiKeyAuth(hashes)
-    auth.check("Bearer sk-local")   # True
+    policies = load_keys(keys_file="keys.txt", keys=["sk-local"], env={})
+    auth = ApiKeyAuth(policies)
+    auth.identify("Bearer sk-local")   # KeyPolicy(name='key-1a2b3c4d'), or None
 """
 
 from __future__ import annotations
@@ -18,7 +28,14 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from .quota import KeyPolicy
+
 ENV_VAR = "TENSORGATE_API_KEYS"
+_LIMITS = ("rpm", "tpm", "tpd", "streams")
+
+
+class KeysFileError(ValueError):
+    """A line of the keys file that cannot be read."""
 
 
 def hash_key(key: str) -> str:
@@ -26,14 +43,61 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def parse_keys_text(text: str) -> list[str]:
-    """One key per line; blank lines and ``#`` comments (whole-line or trailing) are ignored."""
-    keys = []
-    for line in text.splitlines():
-        key = line.split("#", 1)[0].strip()
-        if key:
-            keys.append(key)
-    return keys
+def default_name(key: str) -> str:
+    """The name of a key that has none: a prefix of its hash, so logs never show the key."""
+    return f"key-{hash_key(key)[:8]}"
+
+
+def parse_keys_text(text: str) -> list[tuple[str, KeyPolicy]]:
+    """``(key, policy)`` per line; blank lines and ``#`` comments (whole-line or trailing) are ignored.
+
+    Raises :class:`KeysFileError` naming the line for an unknown field, a limit that is not a positive
+    integer, or a name used twice.
+    """
+    out: list[tuple[str, KeyPolicy]] = []
+    names: set[str] = set()
+    for n, line in enumerate(text.splitlines(), start=1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        key, fields = words[0], words[1:]
+        name = default_name(key)
+        limits: dict[str, int] = {}
+        for f in fields:
+            k, sep, v = f.partition("=")
+            if not sep or k not in ("name", *_LIMITS) or not v:
+                raise KeysFileError(f"line {n}: {f!r} is not name=... or one of {', '.join(_LIMITS)}=N")
+            if k == "name":
+                name = v
+            elif not v.isdigit() or int(v) < 1:
+                raise KeysFileError(f"line {n}: {k}={v!r} must be a positive integer")
+            else:
+                limits[k] = int(v)
+        if name in names:
+            raise KeysFileError(f"line {n}: the name {name!r} is used twice (usage is counted by name)")
+        names.add(name)
+        out.append((key, KeyPolicy(name, **limits)))
+    return out
+
+
+def load_keys(
+    keys_file: str | Path | None = None,
+    keys: Iterable[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, KeyPolicy]:
+    """``{hash: policy}`` of every key from the file, the explicit list and the env var (``os.environ``
+    by default). A key given twice keeps the file's policy."""
+    found: list[tuple[str, KeyPolicy]] = []
+    if keys_file:
+        found += parse_keys_text(Path(keys_file).read_text())
+    extra = [k.strip() for k in keys or () if k and k.strip()]
+    env = os.environ if env is None else env
+    extra += [k.strip() for k in env.get(ENV_VAR, "").split(",") if k.strip()]
+    found += [(k, KeyPolicy(default_name(k))) for k in extra]
+    policies: dict[str, KeyPolicy] = {}
+    for key, policy in found:
+        policies.setdefault(hash_key(key), policy)
+    return policies
 
 
 def load_key_hashes(
@@ -41,15 +105,8 @@ def load_key_hashes(
     keys: Iterable[str] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> frozenset[str]:
-    """Hashes of every key from the file, the explicit list and the env var (``os.environ`` by default)."""
-    found: list[str] = []
-    if keys_file:
-        found += parse_keys_text(Path(keys_file).read_text())
-    if keys:
-        found += [k.strip() for k in keys if k and k.strip()]
-    env = os.environ if env is None else env
-    found += [k.strip() for k in env.get(ENV_VAR, "").split(",") if k.strip()]
-    return frozenset(hash_key(k) for k in found)
+    """Hashes of every key (see :func:`load_keys`)."""
+    return frozenset(load_keys(keys_file, keys, env))
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -63,20 +120,29 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class ApiKeyAuth:
-    """Checks bearer tokens against stored hashes in constant time (per stored hash)."""
+    """Checks bearer tokens against stored hashes in constant time (per stored hash).
 
-    def __init__(self, key_hashes: Iterable[str]) -> None:
-        self._hashes = tuple(sorted({h.lower() for h in key_hashes}))
+    ``keys``: ``{hash: policy}`` (:func:`load_keys`), or bare hashes (unlimited keys).
+    """
+
+    def __init__(self, keys: Mapping[str, KeyPolicy] | Iterable[str]) -> None:
+        policies = keys if isinstance(keys, Mapping) else {h: KeyPolicy(f"key-{h[:8]}") for h in keys}
+        self._keys = tuple(sorted((h.lower(), p) for h, p in policies.items()))
 
     def __len__(self) -> int:
-        return len(self._hashes)
+        return len(self._keys)
 
-    def check(self, authorization: str | None) -> bool:
+    def identify(self, authorization: str | None) -> KeyPolicy | None:
+        """The policy of the key in ``Authorization: Bearer <key>``, or None."""
         token = bearer_token(authorization)
         if token is None:
-            return False
+            return None
         digest = hash_key(token).encode()
-        ok = False
-        for h in self._hashes:  # no early exit: the time taken does not say which hash matched
-            ok |= hmac.compare_digest(digest, h.encode())
-        return ok
+        found: KeyPolicy | None = None
+        for h, policy in self._keys:  # no early exit: the time taken does not say which hash matched
+            if hmac.compare_digest(digest, h.encode()):
+                found = policy
+        return found
+
+    def check(self, authorization: str | None) -> bool:
+        return self.identify(authorization) is not None

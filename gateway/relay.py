@@ -74,15 +74,18 @@ class Relay:
         self.upstream = upstream
         self.outcomes = outcomes
 
-    async def serve(self, req: ChatRequest, send: Send) -> None:
-        """Answer ``req``; the server cancels this when the client leaves, which frees the miner's slot."""
+    async def serve(self, req: ChatRequest, send: Send) -> int:
+        """Answer ``req``; returns the completion tokens delivered (what the client's key is charged).
+
+        The server cancels this when the client leaves, which frees the miner's slot.
+        """
         try:
-            await self.dispatch(req, send)
+            return await self.dispatch(req, send)
         except asyncio.CancelledError:
             self.outcomes["client_disconnect"] += 1
             raise
 
-    async def dispatch(self, req: ChatRequest, send: Send) -> None:
+    async def dispatch(self, req: ChatRequest, send: Send) -> int:
         """Serve ``req`` from the first miner that produces content, trying others before the first byte.
 
         Raises :class:`GatewayError` when no miner produced a byte (the client gets that error instead).
@@ -129,7 +132,7 @@ class Relay:
                         failures.append(e)
                         continue
                     served = stream.ok
-                    return
+                    return stream.tokens
             finally:
                 self.router.release(lease, served=served)
         if rejected and not failures:

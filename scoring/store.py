@@ -77,13 +77,20 @@ CREATE TABLE audits (
 );
 CREATE INDEX audits_hotkey ON audits (hotkey, at);
 """
-# Schema 3: pay for work (issue 14): each round line keeps its paid card-seconds and its value. Rounds
-# stored before are read as worth 0, like rounds in which nobody was paid.
+# Schema 3: pay for work (issue 14): each round line keeps its paid card-seconds and its value (rounds
+# stored before are read as worth 0, like rounds in which nobody was paid); API key usage per UTC day.
 _SCHEMA_3 = """
 ALTER TABLE round_miners ADD COLUMN work_s REAL NOT NULL DEFAULT 0;
 ALTER TABLE round_miners ADD COLUMN value REAL NOT NULL DEFAULT 0;
+CREATE TABLE key_usage (
+    name TEXT NOT NULL,
+    day TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    PRIMARY KEY (name, day)
+);
 """
-_TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits"})
+_TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits", "key_usage"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +258,7 @@ class ScoreStore:
         if version == 2:
             with self._tx(conn):
                 conn.executescript("BEGIN;" + _SCHEMA_3 + "PRAGMA user_version = 3;")
+            tables |= {"key_usage"}
             logger.info("scoring state: {} migrated from schema 2 to 3 (paid work per round)", self.path)
         missing = _TABLES - tables
         if missing:
@@ -394,6 +402,20 @@ class ScoreStore:
                             None if r[5] is None else str(r[5]), str(r[6]), int(r[7])) for r in reversed(rows)]
 
     # -- weights ---------------------------------------------------------------------------------
+
+    # -- API key usage -----------------------------------------------------------------------------
+
+    def save_key_usage(self, rows: list[tuple[str, str, int, int]]) -> None:
+        """``(name, day, requests, tokens)`` per key: the day's totals so far (replacing what was saved)."""
+        with self._tx(begin=True) as c:
+            c.executemany("INSERT OR REPLACE INTO key_usage (name, day, requests, tokens) VALUES (?, ?, ?, ?)",
+                          [(str(n), str(d), int(r), int(t)) for n, d, r, t in rows])
+
+    def load_key_usage(self, day: str) -> list[tuple[str, str, int, int]]:
+        """Every key's usage on ``day`` (UTC, ``YYYY-MM-DD``)."""
+        with self._reading() as c:
+            return [(str(n), str(d), int(r), int(t)) for n, d, r, t in
+                    c.execute("SELECT name, day, requests, tokens FROM key_usage WHERE day = ?", (day,))]
 
     def record_weights(self, block: int, weights: Mapping[int, float], at: float | None = None) -> None:
         """Remember the last weights set on chain (block, wall time, the weights)."""

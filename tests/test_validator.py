@@ -258,3 +258,22 @@ def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
     now_soft, now_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert now_hard == hard and now_soft == after
     assert after == (hard if hard != resource.RLIM_INFINITY else max(before, 1 << 16)) and after >= before
+
+
+async def test_api_key_usage_of_the_day_survives_a_restart(tmp_path: Path) -> None:
+    import time
+
+    from gateway.quota import KeyPolicy, Refusal, Ticket
+
+    policy = KeyPolicy("capped", tpd=1000)
+    v = await _validator_with_scores(tmp_path, FakeChain([]))
+    ticket = v.gateway.quota.admit(policy, 900, time.time())
+    assert isinstance(ticket, Ticket)
+    v.gateway.quota.settle(ticket, 900, time.time())
+    await v.close_round()  # the day's usage is saved with the round
+    await v.stop()
+    again = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0), FakeChain([]), dev_keypair("Alice"))
+    await again.open_state()
+    refused = again.gateway.quota.admit(policy, 200, time.time())
+    assert isinstance(refused, Refusal) and refused.limit == "tokens per day"
+    await again.stop()

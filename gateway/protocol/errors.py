@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,6 +85,12 @@ def payload_too_large(limit: int) -> GatewayError:
 
 def no_capacity(message: str = "no miner has capacity for this request; retry shortly") -> GatewayError:
     return GatewayError(429, message, type=RATE_LIMIT, code="no_capacity", headers={"Retry-After": "1"})
+
+
+def rate_limited(message: str, retry_after_s: float) -> GatewayError:
+    """A key over one of its limits (OpenAI's ``rate_limit_exceeded``), with when to come back."""
+    return GatewayError(429, message, type=RATE_LIMIT, code="rate_limit_exceeded",
+                        headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
 def overloaded(message: str = "the gateway is out of resources; retry shortly") -> GatewayError:

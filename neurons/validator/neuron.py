@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loguru import logger
 
+from gateway.quota import utc_day
 from gateway.router import Candidate
 from scoring.audit import StrikeBook
 from scoring.store import CorruptStateError, ScoreStore
@@ -113,6 +114,9 @@ class Validator:
         self.store = await self._io(ScoreStore, path)
         await self._io(self.scorer.restore, self.store)
         self._last_weights_block = await self._io(self.store.last_weights_block)
+        quota = self.gateway.quota
+        for row in await self._io(self.store.load_key_usage, utc_day(time.time())):
+            quota.restore(*row)  # today's API key usage survives a restart: no fresh day by restarting
         if self.auditor is not None:
             saved = await self._io(self.store.load_strikes)
             try:
@@ -223,7 +227,20 @@ class Validator:
             except Exception as e:  # keep scoring in memory; the next round saves its own
                 logger.error("scoring state: could not save round {} to {}: {}", report.index, self.store.path, e)
         await self._save_audits()
+        await self._save_key_usage()
         return entry
+
+    async def _save_key_usage(self) -> None:
+        """Today's usage per API key (for the limits to survive a restart, and for the operator)."""
+        if self.store is None:
+            return
+        rows = self.gateway.quota.snapshot()
+        if not rows:
+            return
+        try:
+            await self._io(self.store.save_key_usage, rows)
+        except Exception as e:  # the next round saves the totals again
+            logger.error("scoring state: could not save API key usage to {}: {}", self.store.path, e)
 
     async def _save_audits(self) -> None:
         """Append the round's audit outcomes and the strike book to the state database."""

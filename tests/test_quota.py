@@ -1,0 +1,149 @@
+"""API keys with names and limits (issue 14): parsing, the pure limiter, the gateway's 429, usage that survives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.auth import ApiKeyAuth, KeysFileError, default_name, load_keys, parse_keys_text
+from gateway.quota import KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
+
+T0 = 1_796_256_000.0  # 2026-12-03 00:00:00 UTC
+
+
+def test_keys_file_names_and_limits() -> None:
+    text = """
+    # operators' keys
+    sk-alice  name=alice rpm=60 tpm=100000 tpd=2000000 streams=4
+    sk-bob    name=bob            # unlimited
+    sk-anon
+    """
+    parsed = dict(parse_keys_text(text))
+    assert parsed["sk-alice"] == KeyPolicy("alice", rpm=60, tpm=100_000, tpd=2_000_000, streams=4)
+    assert parsed["sk-bob"] == KeyPolicy("bob") and not parsed["sk-bob"].limited
+    assert parsed["sk-anon"].name == default_name("sk-anon") and "sk-anon" not in parsed["sk-anon"].name
+
+
+@pytest.mark.parametrize("line, why", [
+    ("sk-x rpm=0", "positive integer"),
+    ("sk-x rpm=ten", "positive integer"),
+    ("sk-x burst=4", "not name="),
+    ("sk-x name=", "not name="),
+])
+def test_a_keys_file_typo_is_refused_with_its_line(line: str, why: str) -> None:
+    with pytest.raises(KeysFileError, match=rf"line 2: .*{why}"):
+        parse_keys_text("sk-ok\n" + line)
+
+
+def test_a_name_used_twice_is_refused() -> None:
+    with pytest.raises(KeysFileError, match="line 2: the name 'a' is used twice"):
+        parse_keys_text("sk-1 name=a\nsk-2 name=a")
+
+
+def test_identify_returns_the_keys_policy(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("sk-alice name=alice rpm=2\n")
+    auth = ApiKeyAuth(load_keys(keys_file=f, keys=["sk-list"], env={"TENSORGATE_API_KEYS": "sk-env"}))
+    assert auth.identify("Bearer sk-alice") == KeyPolicy("alice", rpm=2)
+    assert auth.identify("Bearer sk-env") == KeyPolicy(default_name("sk-env"))
+    assert auth.identify("Bearer sk-nope") is None and auth.identify(None) is None
+
+
+def test_requests_per_minute_and_when_to_come_back() -> None:
+    book, p = QuotaBook(), KeyPolicy("a", rpm=3)
+    for i in range(3):
+        t = book.admit(p, 10, T0 + i)
+        assert isinstance(t, Ticket)
+        book.settle(t, 10, T0 + i)
+    refused = book.admit(p, 10, T0 + 10)
+    assert isinstance(refused, Refusal) and refused.limit == "requests per minute"
+    assert refused.retry_after_s == pytest.approx(50.0)  # the first request leaves the window at T0 + 60
+    assert isinstance(book.admit(p, 10, T0 + 60.5), Ticket)
+
+
+def test_tokens_per_minute_reserve_up_front_and_settle_to_use() -> None:
+    book, p = QuotaBook(), KeyPolicy("a", tpm=1000)
+    a = book.admit(p, 600, T0)
+    assert isinstance(a, Ticket)
+    refused = book.admit(p, 600, T0 + 1)  # 600 reserved + 600 asked > 1000: refused before it runs
+    assert isinstance(refused, Refusal) and refused.limit == "tokens per minute"
+    book.settle(a, 150, T0 + 2)  # it used 150: the rest is given back at once
+    b = book.admit(p, 600, T0 + 3)
+    assert isinstance(b, Ticket)
+    assert book.usage["a"].minute_sum == 750
+    too_big = book.admit(p, 5000, T0 + 4)
+    assert isinstance(too_big, Refusal) and "more than the 1000" in too_big.detail
+
+
+def test_tokens_per_day_and_streams() -> None:
+    book = QuotaBook()
+    day = KeyPolicy("d", tpd=1000)
+    t = book.admit(day, 900, T0 + 3600)
+    assert isinstance(t, Ticket)
+    book.settle(t, 900, T0 + 3600)
+    refused = book.admit(day, 200, T0 + 7200)
+    assert isinstance(refused, Refusal) and refused.limit == "tokens per day"
+    assert refused.retry_after_s == pytest.approx(86_400 - 7200)  # UTC midnight
+    assert isinstance(book.admit(day, 200, T0 + 86_400 + 1), Ticket)  # a new day
+    streams = KeyPolicy("s", streams=2)
+    held = [book.admit(streams, 1, T0), book.admit(streams, 1, T0)]
+    third = book.admit(streams, 1, T0)
+    assert isinstance(third, Refusal) and third.limit == "concurrent streams"
+    assert isinstance(held[0], Ticket)
+    book.settle(held[0], 1, T0 + 1)
+    book.settle(held[0], 1, T0 + 1)  # settling twice frees one stream, not two
+    assert book.usage["s"].in_flight == 1
+
+
+def test_usage_is_kept_per_day_and_restored() -> None:
+    book = QuotaBook()
+    p = KeyPolicy("a", tpd=1000)
+    t = book.admit(p, 300, T0 + 10)
+    assert isinstance(t, Ticket)
+    book.settle(t, 250, T0 + 11)
+    assert book.snapshot() == [("a", utc_day(T0), 1, 250)]
+    assert utc_day(T0) == "2026-12-03"
+    again = QuotaBook()
+    again.restore("a", "2026-12-03", 1, 950)
+    refused = again.admit(p, 100, T0 + 20)  # a restart does not hand out a fresh day
+    assert isinstance(refused, Refusal) and refused.limit == "tokens per day"
+
+
+async def test_gateway_answers_429_rate_limit_exceeded_and_shows_the_callers_usage(make_miner, make_gateway,
+                                                                                    tmp_path: Path) -> None:
+    from tests.fakes import Script, body, error_of
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-capped name=capped rpm=2 tpm=100000\n")
+    m = await make_miner(Script("ok", tokens=4))
+    h = await make_gateway([m], keys_file=str(keys))
+    capped = {"Authorization": "Bearer sk-capped"}
+    for _ in range(2):
+        async with h.chat(body(max_tokens=4), headers=capped) as r:
+            assert r.status == 200
+            await r.read()
+    async with h.chat(body(max_tokens=4), headers=capped) as r:
+        assert r.status == 429
+        err = await error_of(r)
+        assert err["code"] == "rate_limit_exceeded" and "requests per minute" in err["message"]
+        assert "capped" in err["message"] and "sk-capped" not in err["message"]
+        assert 1 <= int(r.headers["Retry-After"]) <= 60
+    async with h.chat(body(max_tokens=4)) as r:  # another key is not held to this one's limit
+        assert r.status == 200
+        await r.read()
+    assert m.requests == 3  # the refused request never reached a miner
+    async with h.client.get(h.base_url + "/v1/status", headers=capped) as r:
+        key = (await r.json())["key"]
+    assert key["name"] == "capped" and key["limits"]["rpm"] == 2
+    assert key["requests_today"] == 2 and key["in_flight"] == 0
+    assert 8 <= key["tokens_today"] < 200  # settled to the prompt estimate + the 4 tokens of each answer
+
+
+def test_key_usage_round_trips_through_the_store(tmp_path: Path) -> None:
+    from scoring.store import ScoreStore
+
+    with ScoreStore(tmp_path) as st:
+        st.save_key_usage([("a", "2026-12-03", 3, 900), ("b", "2026-12-02", 1, 5)])
+        st.save_key_usage([("a", "2026-12-03", 4, 1000)])  # the day's totals replace the earlier save
+        assert st.load_key_usage("2026-12-03") == [("a", "2026-12-03", 4, 1000)]
