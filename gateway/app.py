@@ -39,7 +39,7 @@ from .asgi import ClientGone, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, load_keys
 from .http.server import HttpServer
 from .protocol.errors import GatewayError, invalid_json, payload_too_large, rate_limited, unauthorized
-from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SchemaLimits, parse_chat_request
+from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, ChatRequest, SchemaLimits, parse_chat_request
 from .quota import KeyPolicy, QuotaBook, Refusal
 from .relay import Relay, RelayConfig
 from .router import Router
@@ -108,6 +108,8 @@ class Gateway:
         self.upstream = upstream
         self.auth = ApiKeyAuth(config.api_keys)
         self.quota = QuotaBook()  # usage and limits per key name
+        # Called with every admitted request (the validator keeps its shape, never its text, for probes).
+        self.on_request: Callable[[ChatRequest], None] | None = None
         self.limits = SchemaLimits(models=tuple(config.models), default_max_tokens=config.default_max_tokens,
                                    max_tokens_cap=config.max_tokens_cap)
         self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
@@ -253,6 +255,11 @@ class Gateway:
         if isinstance(ticket, Refusal):
             raise rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
                                ticket.retry_after_s)
+        if self.on_request is not None:
+            try:
+                self.on_request(req)
+            except Exception:  # an observer must never cost a client its answer
+                logger.opt(exception=True).warning("request observer failed")
         used = ticket.reserved  # a client that leaves mid-answer is charged what it could have used
         try:
             used = req.prompt_tokens + await self.relay.serve(req, send)

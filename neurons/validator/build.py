@@ -44,6 +44,7 @@ from .neuron import Validator
 from .probes import ProbeRunner
 from .prompts import MIXES, PromptGenerator
 from .reference import LlamaReference, Reference, RemoteReference
+from .shapes import ShapeSample
 
 
 @dataclass
@@ -111,7 +112,9 @@ def build_parts(
     gateway = Gateway(gw_cfg, router, upstream)
     scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
-    prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix])
+    shapes = ShapeSample(rng=random.Random(seed_rng.random()))
+    gateway.on_request = shapes.observe  # probes copy organic requests' shapes (never their text)
+    prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes)
     probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()),
                          capacity_check=cfg.capacity_check)
     auditor = None

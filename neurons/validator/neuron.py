@@ -23,6 +23,7 @@ or the embedded local subnet (no chain, no GPU)::
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from scoring.weights import why_empty
 from ..chain.base import Chain, NeuronInfo
 from ..supervise import every, supervise
 from .config import ValidatorConfig
+from .corpus import stdlib_passages
 
 if TYPE_CHECKING:
     from .build import ValidatorParts
@@ -93,6 +95,7 @@ class Validator:
         self.restarts: dict[str, int] = {}
         self._last_weights_block: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._corpus_task: asyncio.Task[None] | None = None
         self._store_thread: ThreadPoolExecutor | None = None
 
     # -- state I/O, off the event loop ------------------------------------------------------------
@@ -145,6 +148,7 @@ class Validator:
             logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
                         self.cfg.state_dir)
         await self.gateway.start()
+        self._corpus_task = asyncio.create_task(self._load_corpus(), name="probe-corpus")
         params = await self.chain.params()
         block_s = max(0.05, params.block_time)
         sync_s = self.cfg.sync_interval_blocks * block_s
@@ -163,6 +167,10 @@ class Validator:
                     self.my_uid, self.chain.netuid, self.cfg.network, self.cfg.gateway_host, self.gateway.port)
 
     async def stop(self) -> None:
+        if self._corpus_task is not None:
+            self._corpus_task.cancel()
+            await asyncio.gather(self._corpus_task, return_exceptions=True)
+            self._corpus_task = None
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -174,6 +182,17 @@ class Validator:
         if self._store_thread is not None:
             self._store_thread.shutdown(wait=True)
             self._store_thread = None
+
+    async def _load_corpus(self) -> None:
+        """Probe material from the standard library's documentation, read on a thread (~2 s); probes use
+        the built-in templates until it is in."""
+        try:
+            passages = await asyncio.to_thread(stdlib_passages, random.Random(self.cfg.seed))
+        except Exception as e:  # probes still work on the templates
+            logger.warning("probe corpus not loaded ({!r}): probes use the built-in templates", e)
+            return
+        self.parts.prompts.corpus = passages
+        logger.info("probe corpus: {} passages of the standard library's documentation", len(passages))
 
     async def sync_metagraph(self) -> None:
         neurons = await self.chain.metagraph()

@@ -1,8 +1,18 @@
-"""A varied built-in prompt generator for probe traffic.
+"""A varied prompt generator for probe traffic.
 
 Probes must look like organic traffic, so a miner cannot serve them better than real requests: the
 generator mixes chat shapes (single question, system + user, multi-turn), lengths from one sentence to
 a few thousand tokens, and varied ``max_tokens``. Pure and seeded, so tests can pin distributions.
+
+Two things make it hard to tell apart (issue 14 told 100 % of the old template probes apart):
+
+* **Content** from a large source: with ``corpus`` (:func:`neurons.validator.corpus.stdlib_passages`,
+  thousands of human-written passages) the questions are about, and the documents made of, real
+  text; without it, a small built-in template set (tests, the soak).
+* **Shapes** of real clients: with ``shapes`` (:class:`neurons.validator.shapes.ShapeSample`, fed by
+  the gateway) most probes copy a recent organic request's message roles, prompt size, ``max_tokens``
+  and sampling parameters, absent ones included. Before any organic traffic, parameters are drawn
+  the way clients set them: the common round temperatures or none at all, ``top_p`` now and then.
 
 Example::
 
@@ -15,8 +25,11 @@ Example::
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .shapes import RequestShape, ShapeSample
 
 _TOPICS = (
     "the history of the printing press", "how vaccines train the immune system", "binary search trees",
@@ -36,6 +49,17 @@ _SYSTEMS = (
     "You are a helpful assistant.", "You are a concise technical writer. Answer in plain language.",
     "You are a patient teacher who uses examples.", "Answer as briefly as possible.",
 )
+_ABOUT = (  # questions about a passage of real text
+    "Explain what this means, with an example:\n\n{p}", "Summarize this in a few bullet points:\n\n{p}",
+    "Rewrite this for a beginner:\n\n{p}", "{p}\n\nWhat would be a good name for this?",
+    "Translate into {lang}:\n\n{p}", "Write unit tests for code documented like this:\n\n{p}",
+    "What questions would a reviewer ask about this?\n\n{p}", "{p}\n\nIs anything here unclear? Fix it.",
+    "Write a short story inspired by this: {first}", "Turn this into an FAQ:\n\n{p}",
+    "{p}", "Can you help me understand this?\n{p}", "tl;dr:\n{p}",
+)
+_LANGS = ("French", "Spanish", "German", "Japanese", "Portuguese", "Italian", "Korean", "plain English")
+# what clients set: mostly round values, sometimes nothing at all (the server's default then applies)
+_TEMPERATURES = (0.0, 0.0, 0.1, 0.2, 0.3, 0.5, 0.6, 0.7, 0.7, 0.7, 0.8, 0.9, 1.0, 1.0, 1.2)
 _FILLER = (
     "The committee reviewed the quarterly figures and noted that shipping costs had risen again, "
     "while the warehouse in the north reported fewer delays than in the previous period. "
@@ -73,11 +97,19 @@ def _approx_tokens(text: str) -> int:
 
 
 class PromptGenerator:
-    """Seeded generator of chat-completion payloads for probes."""
+    """Seeded generator of chat-completion payloads for probes.
 
-    def __init__(self, rng: random.Random | None = None, mix: PromptMix = MIXES["gpu"]) -> None:
+    ``corpus``: passages to ask about and build documents from; ``shapes``: organic requests' shapes,
+    copied by ``shape_share`` of the probes once there are any.
+    """
+
+    def __init__(self, rng: random.Random | None = None, mix: PromptMix = MIXES["gpu"], *,
+                 corpus: Sequence[str] = (), shapes: ShapeSample | None = None, shape_share: float = 0.8) -> None:
         self._rng = rng if rng is not None else random.Random()
         self.mix = mix
+        self.corpus = corpus
+        self.shapes = shapes
+        self.shape_share = shape_share
 
     def _target_tokens(self) -> int:
         r = self._rng.random()
@@ -88,36 +120,81 @@ class PromptGenerator:
         lo, hi = self.mix.lengths[-1][1]
         return self._rng.randint(lo, hi)
 
-    def messages(self) -> list[dict[str, str]]:
+    def _ask(self) -> tuple[str, str]:
+        """(a question, a short line on the same subject for earlier turns)."""
         rng = self._rng
+        if self.corpus and rng.random() < 0.85:
+            p = rng.choice(self.corpus)
+            first = p.split("\n", 1)[0]
+            return rng.choice(_ABOUT).format(p=p, first=first, lang=rng.choice(_LANGS)), first
         topic = rng.choice(_TOPICS)
-        ask = rng.choice(_ASKS).format(t=topic)
-        target = self._target_tokens()
+        return rng.choice(_ASKS).format(t=topic), f"I have a question about {topic}."
+
+    def _document(self, chars: int) -> str:
+        """About ``chars`` characters of text: passages of the corpus, or the built-in filler."""
+        rng = self._rng
+        if self.corpus:
+            parts: list[str] = []
+            while sum(len(x) for x in parts) < chars:
+                parts.append(rng.choice(self.corpus))
+            return "\n\n".join(parts)[:chars]
+        reps = chars // len(_FILLER) + 1
+        start = rng.randrange(len(_FILLER))
+        return (_FILLER * (reps + 1))[start : start + chars]
+
+    def messages(self, roles: Sequence[str] | None = None, target: int | None = None) -> list[dict[str, str]]:
+        """A conversation with these ``roles`` (drawn when None) of about ``target`` prompt tokens."""
+        rng = self._rng
+        ask, opener = self._ask()
+        target = self._target_tokens() if target is None else target
+        if roles is None:
+            roles = (["system"] if rng.random() < 0.5 else []) + (["user", "assistant"] if rng.random() < 0.25
+                                                                 else []) + ["user"]
         msgs: list[dict[str, str]] = []
-        if rng.random() < 0.5:
-            msgs.append({"role": "system", "content": rng.choice(_SYSTEMS)})
-        if rng.random() < 0.25:
-            msgs.append({"role": "user", "content": f"I have a question about {topic}."})
-            msgs.append({"role": "assistant", "content": "Of course. What would you like to know?"})
+        for i, role in enumerate(roles[:-1]):
+            if role == "system":
+                content = rng.choice(_SYSTEMS)
+            elif role == "assistant":
+                content = "Of course. What would you like to know?" if not self.corpus else \
+                    self._document(rng.randint(80, 600))
+            else:
+                content = opener if i == 0 or not self.corpus else self._ask()[0]
+            msgs.append({"role": role, "content": content})
         have = sum(_approx_tokens(m["content"]) for m in msgs) + _approx_tokens(ask)
         if target > have + 20:
-            need_chars = (target - have) * 4
-            reps = need_chars // len(_FILLER) + 1
-            start = rng.randrange(len(_FILLER))
-            doc = (_FILLER * (reps + 1))[start : start + need_chars]
+            doc = self._document((target - have) * 4)
             ask = f"Here is a document:\n\n{doc}\n\nWith that context: {ask}"
-        msgs.append({"role": "user", "content": ask})
+        msgs.append({"role": roles[-1] if roles else "user", "content": ask})
         return msgs
+
+    def _sampling(self) -> dict[str, Any]:
+        """Parameters as clients set them: a common temperature or none, ``top_p`` now and then."""
+        rng = self._rng
+        out: dict[str, Any] = {}
+        r = rng.random()
+        if r < self.mix.greedy_share:
+            out["temperature"] = 0.0
+        elif r < 0.85:
+            lo, hi = self.mix.temperature
+            t = rng.choice(_TEMPERATURES) if rng.random() < 0.7 else round(rng.uniform(lo, hi), rng.choice((1, 2)))
+            out["temperature"] = t
+        if rng.random() < 0.15:
+            out["top_p"] = rng.choice((0.9, 0.95, 1.0, 0.8))
+        return out
 
     def payload(self, model: str) -> dict[str, Any]:
         """A request body exactly like an organic streaming client would send."""
         rng = self._rng
-        lo, hi = self.mix.temperature
-        return {
-            "model": model,
-            "messages": self.messages(),
-            "max_tokens": rng.choice(self.mix.max_tokens),
-            "temperature": 0.0 if rng.random() < self.mix.greedy_share else round(rng.uniform(lo, hi), 2),
-            "stream": True,
-        }
+        shape: RequestShape | None = None
+        if self.shapes is not None and len(self.shapes) and rng.random() < self.shape_share:
+            shape = self.shapes.draw()
+        if shape is not None:
+            roles = shape.roles if shape.roles[-1] == "user" else (*shape.roles, "user")
+            return {"model": model, "messages": self.messages(roles, shape.prompt_tokens),
+                    "max_tokens": shape.max_tokens, **shape.sampling, "stream": True}
+        max_tokens = rng.choice(self.mix.max_tokens)
+        if rng.random() < 0.3:  # not every client picks from a menu
+            max_tokens = rng.randint(min(self.mix.max_tokens), max(self.mix.max_tokens))
+        return {"model": model, "messages": self.messages(), "max_tokens": max_tokens, **self._sampling(),
+                "stream": True}
 
