@@ -9,6 +9,9 @@ menus), so the scenario tests the pay rules, not how well probes are disguised.
   stream; on a card shared by several hotkeys that is "another hotkey of mine is using the card".
 * ``probes-only``: serve the validator's probes, refuse every user request with a 429.
 * ``probes-stall``: serve probes, leave every user request hanging before its first byte.
+* ``self-dealer``: its owner also holds an API key and sends long prompts marked with
+  :data:`SELF_MARK` through the gateway; whichever of them is routed to its own miner is answered at
+  once (a cached answer: no prefill, no decode, no card time), everything else honestly.
 
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
@@ -23,15 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from gateway.protocol.openai import SLOTS_HEADER
+from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from neurons.miner.runtimes.base import RuntimeFailure, RuntimeHealth
 
 from .load import CardRuntime
 
-CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall")
+CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer")
+SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
 HANG_S = 3600.0  # "until the client gives up": the validator's first-token deadline ends it long before
 
 
@@ -69,15 +75,31 @@ class CheatRuntime:
                               headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-        if self.cheat == "refuse-when-card-busy" and self.card.active > 0:
-            raise self._refuse()
-        if self.cheat != "refuse-when-card-busy" and not self.is_probe(payload):
+        if self.cheat == "self-dealer":
+            if SELF_MARK in _key(payload):
+                yield _instant_answer(payload)
+                return
+        elif self.cheat == "refuse-when-card-busy":
+            if self.card.active > 0:
+                raise self._refuse()
+        elif not self.is_probe(payload):
             if self.cheat == "probes-only":
                 raise self._refuse()
             await asyncio.sleep(HANG_S)
         async with contextlib.aclosing(self.card.stream(payload)) as frames:
             async for chunk in frames:
                 yield chunk
+
+
+def _instant_answer(payload: dict[str, Any]) -> bytes:
+    """The whole answer in one write: ``max_tokens`` tokens with ids, ``length``, ``[DONE]``."""
+    f = ChunkFramer("chatcmpl-self", int(time.time()), str(payload.get("model", "m")))
+    n = payload.get("max_tokens")
+    n = n if isinstance(n, int) and n > 0 else 16
+    parts = [frame(f.chunk({"role": "assistant"}, None))]
+    parts += [f.tokens(" cached", [7]) for _ in range(n)]
+    parts += [frame(f.chunk({}, "length")), DONE_FRAME]
+    return b"".join(parts)
 
 
 class ProbeOracle:

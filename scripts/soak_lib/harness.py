@@ -40,7 +40,7 @@ from scoring.measurement import Measurement
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
 
-from .cheaters import CheatRuntime, ProbeOracle
+from .cheaters import SELF_MARK, CheatRuntime, ProbeOracle
 from .load import CardRuntime, MultiCardRuntime
 from .routers import learn_slots, make_router
 from .scenarios import Scenario
@@ -246,6 +246,29 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
             except (TimeoutError, aiohttp.ClientError) as e:
                 result.client[type(e).__name__] += 1
 
+        async def self_dealt() -> None:
+            """A key holder's own long prompt, for its own miner to answer at once when routed there."""
+            text = SELF_MARK + " " + "please read this carefully " * traffic_rng.randint(400, 700)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
+                    "stream": True}
+            try:
+                async with client.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                                       timeout=aiohttp.ClientTimeout(total=max(30.0, 600.0 / scale))) as resp:
+                    await resp.read()
+                    result.client[f"self:{resp.status}"] += 1
+            except (TimeoutError, aiohttp.ClientError) as e:
+                result.client[f"self:{type(e).__name__}"] += 1
+
+        async def self_dealing_round(round_real: float) -> None:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + round_real
+            while sc.self_dealing_interval_s > 0:
+                gap = traffic_rng.expovariate(1.0 / sc.self_dealing_interval_s) / scale
+                if loop.time() + gap >= end:
+                    break
+                await asyncio.sleep(gap)
+                spawn(self_dealt())
+
         def spawn(coro: Any) -> None:
             t = asyncio.create_task(coro)
             tasks.add(t)
@@ -320,7 +343,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                 if sc.traffic.kind == "sequential":
                     await sequential_round(round_real)
                 else:
-                    await asyncio.gather(open_loop_round(round_real),
+                    await asyncio.gather(open_loop_round(round_real), self_dealing_round(round_real),
                                          probes.run_round(sc.probes_per_miner, round_real))
                 if tasks:  # organic stragglers; probes and sequential traffic are already awaited
                     await asyncio.wait(set(tasks), timeout=DRAIN_S)
