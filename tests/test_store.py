@@ -264,6 +264,7 @@ def test_an_older_file_is_migrated_without_losing_rounds(tmp_path: Path, old: in
         st.save_round(make_round(1), routing={"hk0": 0.3})
         st._conn.execute("ALTER TABLE round_miners DROP COLUMN work_s")  # what schema 2 looks like
         st._conn.execute("ALTER TABLE round_miners DROP COLUMN value")
+        st._conn.execute("DROP TABLE key_usage")
         if old == 1:
             st._conn.execute("DROP TABLE audits")  # and schema 1
         st._conn.execute(f"PRAGMA user_version = {old}")
