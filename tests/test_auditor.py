@@ -91,6 +91,14 @@ async def test_a_full_queue_pays_unaudited_and_counts_the_drop() -> None:
     assert auditor.counts["dropped"] == 3 and auditor.counts["sampled"] == 2
 
 
+async def test_answers_waiting_at_stop_are_handed_back_to_be_paid_as_measured() -> None:
+    auditor = Auditor(ScriptedReference(), AuditBands(), StrikeBook(), rate=1.0, max_queue=8)
+    held = [m("a"), m("b", probe=True)]
+    assert all(auditor.take(x) for x in held)
+    assert auditor.abandon() == held and auditor.backlog == 0 and auditor.counts["abandoned"] == 2
+    assert auditor.abandon() == []
+
+
 async def test_strikes_quarantine_and_every_answer_of_a_quarantined_miner_is_audited() -> None:
     auditor = Auditor(ScriptedReference(), AuditBands(), StrikeBook(StrikePolicy(window=5, threshold=2)),
                       rate=0.0)

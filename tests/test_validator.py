@@ -277,3 +277,25 @@ async def test_api_key_usage_of_the_day_survives_a_restart(tmp_path: Path) -> No
     refused = again.gateway.quota.admit(policy, 200, time.time())
     assert isinstance(refused, Refusal) and refused.limit == "tokens per day"
     await again.stop()
+
+
+async def test_the_round_in_progress_is_saved_at_stop(tmp_path: Path) -> None:
+    """SIGTERM/Ctrl-C end in ``stop``: what the round measured so far is scored and saved, not lost."""
+    from scoring.measurement import Measurement
+    from scoring.store import ScoreStore
+
+    v = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0), FakeChain([]), dev_keypair("Alice"))
+    await v.open_state()
+    v.parts.measurements.record(Measurement(uid=3, hotkey="hk-3", in_flight=0, prompt_tokens=10, max_tokens=32,
+                                            ttft_s=0.3, latency_s=0.4, completion_tokens=32, ok=True,
+                                            finish_reason="length"))
+    await v.stop()
+    with ScoreStore(tmp_path / "validator.sqlite") as st:
+        rounds = st.load_rounds(5)
+    assert len(rounds) == 1 and [m.hotkey for m in rounds[0].miners] == ["hk-3"]
+    assert rounds[0].miners[0].work_s > 0 and rounds[0].miners[0].value > 0
+    quiet = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0), FakeChain([]), dev_keypair("Alice"))
+    await quiet.open_state()
+    await quiet.stop()  # nothing measured: no empty round is added
+    with ScoreStore(tmp_path / "validator.sqlite") as st:
+        assert len(st.load_rounds(5)) == 1

@@ -77,6 +77,15 @@ class Auditor:
         out, self._ready = self._ready, []
         return out
 
+    def abandon(self) -> list[Measurement]:
+        """Empty the queue without auditing (at stop): the caller pays these as measured."""
+        out: list[Measurement] = []
+        while not self._queue.empty():
+            out.append(self._queue.get_nowait())
+            self._queue.task_done()
+        self.counts["abandoned"] += len(out)
+        return out
+
     @property
     def backlog(self) -> int:
         return self._queue.qsize()

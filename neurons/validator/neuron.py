@@ -175,13 +175,32 @@ class Validator:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await self.parts.aclose()
+        await self.parts.aclose()  # streams in progress end within the drain time and are measured
+        await self._save_partial_round()
         if self.store is not None:
             await self._io(self.store.close)
             self.store = None
         if self._store_thread is not None:
             self._store_thread.shutdown(wait=True)
             self._store_thread = None
+
+    async def _save_partial_round(self) -> None:
+        """At stop, the round in progress is scored as it stands and saved (a shorter round), not lost.
+
+        Answers still waiting for an audit are paid as measured: the reference stopping is never the
+        miner's fault (an early stop among them stays unpaid, as any unaudited early stop).
+        """
+        if self.store is None:
+            return
+        for m in self.parts.measurements.drain():
+            self.scorer.record(m)
+        if self.auditor is not None:
+            for m in [*self.auditor.ready(), *self.auditor.abandon()]:
+                self.scorer.record(m)
+        if not self.scorer.pending:
+            return
+        entry = await self.close_round()
+        logger.info("round {} (in progress at stop) saved", entry.index)
 
     async def _load_corpus(self) -> None:
         """Probe material from the standard library's documentation, read on a thread (~2 s); probes use
