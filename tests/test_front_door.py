@@ -234,3 +234,36 @@ async def test_malformed_requests_do_not_fill_the_log(gw, caplog: pytest.LogCapt
                 b"GARBAGE\r\n\r\n"):
         assert b" 400 " in (await _exchange(gw.gateway.port, bad)).split(b"\r\n", 1)[0]
     assert [r for r in caplog.records if r.name.startswith("aiohttp")] == []
+
+
+async def test_connections_over_the_cap_get_503_and_are_closed_at_once() -> None:
+    """Idle sockets cannot use up the file descriptors the miners' connections need (issue 15, item 2)."""
+    from gateway.http.server import HttpServer
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = HttpServer(app, port=0, max_connections=3)
+    await server.start()
+    idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
+    try:
+        await asyncio.sleep(0.05)
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)
+        answer = await asyncio.wait_for(r.read(), 5)  # read to EOF: the server closed it
+        w.close()
+        assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
+        assert server.refused_connections == 1
+        _, first = idle.pop()
+        first.close()  # one leaves: a new client is served again
+        await asyncio.sleep(0.1)
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        w.close()
+    finally:
+        for _, w in idle:
+            w.close()
+        await server.stop()

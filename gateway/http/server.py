@@ -23,6 +23,12 @@ A malformed request is the client's: aiohttp answers it 400 and would log a trac
 each one, a log any client could fill; :class:`_QuietBadRequests` drops those records (the gateway
 counts refusals it sees; these never reach it).
 
+Connections are capped (``max_connections``): past the cap a new connection gets ``503`` with
+``Retry-After`` and is closed at once, before anything is read, so a flood of idle sockets cannot use
+up the process's file descriptors (the miners' connections need them too: issue 15 saw ~1,020 idle
+sockets block every client and get healthy miners booked ``connect``). aiohttp closes a connection
+that has not sent a request within ``keepalive_timeout``.
+
 The adapter maps ASGI messages onto a ``StreamResponse``: ``http.response.start`` keeps status and
 headers, the first ``http.response.body`` sends them with its bytes, the last one ends the response.
 
@@ -77,12 +83,30 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+_FULL_BODY = b'{"error":{"message":"too many connections; retry shortly","type":"server_error","param":null,' \
+             b'"code":"too_many_connections"}}'
+_FULL = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_FULL_BODY)) + _FULL_BODY
+
+
+class _Full(asyncio.Protocol):
+    """A connection over the cap: told 503 and closed before anything is read."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_FULL)
+        transport.close()
+
+
 class HttpServer:
     """One listening socket serving an ASGI ``app`` through aiohttp."""
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, keepalive_timeout: float = 75.0,
-                 max_head_bytes: int = 16 * 1024, shutdown_timeout: float = 5.0, backlog: int = 2048) -> None:
+                 max_head_bytes: int = 16 * 1024, shutdown_timeout: float = 5.0, backlog: int = 2048,
+                 max_connections: int = 2048) -> None:
         self.app = app
+        self.max_connections = max(1, max_connections)
+        self.refused_connections = 0
         self.host = host
         self.requested_port = port
         self.keepalive_timeout = keepalive_timeout
@@ -99,11 +123,19 @@ class HttpServer:
                                   keepalive_timeout=self.keepalive_timeout, max_line_size=self.max_head_bytes,
                                   max_field_size=self.max_head_bytes)
         try:
-            self._listener = await asyncio.get_running_loop().create_server(self._server, sock=sock)
+            self._listener = await asyncio.get_running_loop().create_server(self._protocol, sock=sock)
         except BaseException:
             sock.close()
             raise
         self._port = int(sock.getsockname()[1])
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        """A handler for a new connection, or :class:`_Full` past ``max_connections``."""
+        assert self._server is not None
+        if len(self._server.connections) >= self.max_connections:
+            self.refused_connections += 1
+            return _Full()
+        return self._server()
 
     @property
     def port(self) -> int:
