@@ -106,6 +106,7 @@ def build_parts(
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
     gateway_options.setdefault("keys_file", cfg.api_keys_file)
     gateway_options.setdefault("shutdown_timeout", cfg.drain_s)
+    gateway_options.setdefault("max_connections", cfg.max_connections)
     gateway_options.setdefault("first_byte_budget_s", cfg.first_byte_budget_s)
     gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
                                         keys=api_keys, max_retries=cfg.max_retries, **gateway_options)

@@ -45,6 +45,7 @@ class ValidatorConfig:
     max_retries: int = 2
     first_byte_budget_s: float = 30.0  # a client's whole wait for a first byte, retries included
     drain_s: float = 5.0  # on a stop (SIGTERM, Ctrl-C): how long streams in progress may take to finish
+    max_connections: int = 2048  # client connections at once (each is a file descriptor)
     prompt_mix: str = "gpu"  # sizes of probe (and local traffic) requests: "gpu" or "cpu" (neurons.validator.prompts)
     credit_profile: str = "rtx5090"  # the card whose speed earns full credit (a name, or a calibrated JSON file)
     # Verified inference: the reference that audits answers ("none", "packaged", or a GGUF file path).
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--gateway.first-byte-budget", dest="first_byte_budget_s", type=float,
                     default=d.first_byte_budget_s,
                     help="seconds a client waits at most for a first byte, across every miner tried")
+    gw.add_argument("--gateway.max-connections", dest="max_connections", type=int, default=d.max_connections,
+                    help="client connections at once; more get 503 and are closed at once (file descriptors)")
     gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
                     help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
     sc = p.add_argument_group("scoring and weights")
