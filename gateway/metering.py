@@ -29,6 +29,31 @@ CHARS_PER_TOKEN_CAP = 32  # characters of answer text allowed per token of max_t
 CHARS_PER_TOKEN_ESTIMATE = 4  # what an answer without token ids is credited: its characters / 4
 
 
+class AnswerBudget:
+    """Characters of answer text the gateway may hold at once, across every stream that holds its answer.
+
+    One answer is capped (``StreamMeter.max_chars``); this caps them all together: a non-streamed answer
+    is held whole until it is complete, and so is every answer kept for an audit. Issue 15 measured 16
+    concurrent non-streamed answers at the limits of the time take the gateway from 82 to 446 MB.
+    Running out is the validator's condition (``local_resources``: no miner blamed, the client gets 503).
+    """
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max(0, max_chars)
+        self.held = 0
+        self.refused = 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.max_chars:
+            self.refused += 1
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held = max(0, self.held - n)
+
+
 class MeterFailure(Exception):
     """The stream broke a rule; ``reason`` is what the miner is booked for."""
 
@@ -42,7 +67,8 @@ class StreamMeter:
     """The state of one stream's measurement. ``feed`` and ``end`` raise :class:`MeterFailure`."""
 
     def __init__(self, max_tokens: int, started_at: float, *, max_line_bytes: int = 64 * 1024,
-                 max_content_chars: int = 4096, keep_answer: bool = False) -> None:
+                 max_content_chars: int = 4096, keep_answer: bool = False,
+                 budget: AnswerBudget | None = None, must_hold: bool = False) -> None:
         self.max_tokens = max_tokens
         self.started_at = started_at
         self._parser = SSEParser(max_line_bytes=max_line_bytes)
@@ -66,6 +92,9 @@ class StreamMeter:
         # No tokenizer's average token comes near 32 characters.
         self.max_chars = CHARS_PER_TOKEN_CAP * max_tokens + max_content_chars
         self.chars = 0
+        self.budget = budget  # set when this stream's answer is held (non-streamed, or kept for an audit)
+        self.must_hold = must_hold  # the answer is useless unless held whole (non-streamed): fail when it can't be
+        self.held = 0  # characters taken from the budget; given back by release()
 
     @property
     def countable_tokens(self) -> int:
@@ -131,6 +160,17 @@ class StreamMeter:
                 if self.chars > self.max_chars:
                     raise MeterFailure(FailureReason.GARBAGE, f"more than {self.max_chars} characters of text for "
                                                               f"max_tokens={self.max_tokens}")
+                if self.budget is not None:
+                    if self.budget.take(len(chunk.content)):
+                        self.held += len(chunk.content)
+                    elif self.must_hold:
+                        raise MeterFailure(FailureReason.LOCAL_RESOURCES,
+                                           f"the gateway already holds {self.budget.held} characters of answers")
+                    else:  # only kept for a possible audit: stop keeping it, the stream goes on
+                        self.release()
+                        self.budget, self.keep_answer = None, False
+                        self.text.clear()
+                        self.ids.clear()
                 if not ids:
                     self.ids_complete = False
                 if self.keep_answer:
@@ -145,6 +185,12 @@ class StreamMeter:
             if chunk.usage is not None:
                 self.usage = chunk.usage
             out.append(chunk)
+
+    def release(self) -> None:
+        """Give the held characters back to the budget (the stream ended; idempotent)."""
+        if self.budget is not None and self.held:
+            self.budget.give(self.held)
+            self.held = 0
 
     def end(self) -> None:
         """The body ended without ``[DONE]``: complete only when a finish reason came after content."""

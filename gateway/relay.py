@@ -110,7 +110,7 @@ class Relay:
             served = False
             try:
                 try:
-                    stream = await self.upstream.open(lease, payload, timeouts=timeouts)
+                    stream = await self.upstream.open(lease, payload, timeouts=timeouts, held=not req.stream)
                 except UpstreamError as e:
                     if e.reason == FailureReason.LOCAL_RESOURCES:  # every other miner would fail the same way
                         self.outcomes["503"] += 1
@@ -129,6 +129,9 @@ class Relay:
                         else:  # the client sees nothing until the whole answer is in
                             await self._assemble(send, req, stream)
                     except UpstreamError as e:  # raised only while the client has seen no byte: try another
+                        if e.reason == FailureReason.LOCAL_RESOURCES:  # the gateway's memory, not the miner
+                            self.outcomes["503"] += 1
+                            raise overloaded() from None
                         failures.append(e)
                         continue
                     served = stream.ok

@@ -46,7 +46,7 @@ from loguru import logger
 from scoring.measurement import Answer, FailureReason, Measurement, MeasurementSink
 
 from .http.client import MinerClient
-from .metering import MeterFailure, StreamMeter
+from .metering import AnswerBudget, MeterFailure, StreamMeter
 from .protocol.errors import CLIENT_FAULT_CODES
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens
 from .protocol.sampling import SamplingParams
@@ -77,6 +77,7 @@ class UpstreamLimits:
     max_content_chars: int = 4096  # one chunk's delta.content; a token is a few characters
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # for payloads that name no max_tokens
     keep_answers: bool = False  # keep each complete answer (text, token ids) on its measurement, for audits
+    max_held_chars: int = 64_000_000  # answer text held at once across streams (metering.AnswerBudget)
 
 
 REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
@@ -158,17 +159,20 @@ class Upstream:
         # Called with (miner, n) when a miner advertises its slot count (``X-Miner-Slots``) in an answer;
         # the wiring connects it to ``Router.learn_slots`` so least-in-flight compares in_flight / slots.
         self.on_slots: Callable[[MinerState, int], None] | None = None
+        self.answers = AnswerBudget(self.limits.max_held_chars)
         self._draining: set[asyncio.Task[bytes]] = set()
 
     async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,
-                   timeouts: UpstreamTimeouts | None = None, capacity_check: bool = False) -> UpstreamStream:
+                   timeouts: UpstreamTimeouts | None = None, capacity_check: bool = False,
+                   held: bool = False) -> UpstreamStream:
         """Sign and POST ``payload`` (made the miner body: streamed, with usage) to the lease's miner.
 
         Returns once the miner answered 200 with an event stream. Raises :class:`UpstreamError`
-        (measurement recorded) for busy, connect errors, non-200, timeouts before headers.
+        (measurement recorded) for busy, connect errors, non-200, timeouts before headers. ``held``: the
+        caller holds the whole answer (non-streamed), so its text counts against :attr:`answers`.
         """
         stream = UpstreamStream(self, lease, payload, probe=probe, timeouts=timeouts or self.timeouts,
-                                capacity_check=capacity_check)
+                                capacity_check=capacity_check, held=held)
         await stream.connect()
         return stream
 
@@ -249,7 +253,7 @@ class UpstreamStream:
     """
 
     def __init__(self, upstream: Upstream, lease: Lease, payload: dict[str, Any], *, probe: bool,
-                 timeouts: UpstreamTimeouts, capacity_check: bool = False) -> None:
+                 timeouts: UpstreamTimeouts, capacity_check: bool = False, held: bool = False) -> None:
         self._up = upstream
         self._loop = asyncio.get_running_loop()
         self.t0 = self._loop.time()  # the TTFT clock starts at dispatch, before anything else
@@ -265,7 +269,8 @@ class UpstreamStream:
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))
         self._body = encode_body(body)
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,
-                                 max_content_chars=limits.max_content_chars, keep_answer=limits.keep_answers)
+                                 max_content_chars=limits.max_content_chars, keep_answer=limits.keep_answers,
+                                 budget=upstream.answers if held or limits.keep_answers else None, must_hold=held)
         self._payload = payload
         self._resp: aiohttp.ClientResponse | None = None
         self._timer: asyncio.TimerHandle | None = None  # the one deadline timer of the streaming phase
@@ -340,6 +345,7 @@ class UpstreamStream:
             capacity_check=self.capacity_check,
         )
         self.measurement = m
+        meter.release()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -167,3 +167,29 @@ def test_text_an_answer_may_carry_is_bounded_by_its_tokens() -> None:
         for _ in range(3):
             m.feed(tok("b" * 4000), now=0.2)
     assert e.value.reason == FailureReason.GARBAGE and "characters" in e.value.detail
+
+
+def _content(text: str) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"delta": {"content": text}}]}).encode() + b"\n\n"
+
+
+def test_answers_held_at_once_share_one_budget() -> None:
+    """Issue 15 item 4: one answer is capped, and so is what all held answers weigh together."""
+    from gateway.metering import AnswerBudget
+
+    budget = AnswerBudget(max_chars=100)
+    a = StreamMeter(64, 0.0, budget=budget, must_hold=True)
+    b = StreamMeter(64, 0.0, budget=budget, must_hold=True)
+    a.feed(_content("x" * 60), now=0.1)
+    assert budget.held == 60
+    with pytest.raises(MeterFailure) as e:
+        b.feed(_content("y" * 50), now=0.1)
+    assert e.value.reason == FailureReason.LOCAL_RESOURCES  # the gateway's condition: no miner is blamed
+    a.release()
+    a.release()  # idempotent
+    assert budget.held == 0 and budget.refused == 1
+    # an answer kept only for a possible audit is dropped, not failed: the user's stream goes on
+    kept = StreamMeter(64, 0.0, budget=budget, keep_answer=True)
+    budget.take(90)
+    kept.feed(_content("z" * 20), now=0.2)
+    assert not kept.keep_answer and kept.text == [] and kept.tokens == 1 and budget.held == 90

@@ -484,3 +484,20 @@ async def test_a_stalled_miner_still_times_out_while_the_client_keeps_up(make_mi
     assert contents(events) == [m.token(i) for i in range(3)] and "error" in events[-2]
     assert [x.failure for x in h.measurements()] == [FailureReason.TIMEOUT]
 
+
+
+async def test_held_answers_over_the_gateways_budget_get_503_and_blame_no_miner(make_miner, make_gateway):
+    from gateway.metering import AnswerBudget
+
+    m = await make_miner(Script("ok", tokens=8))
+    h = await make_gateway([m])
+    h.upstream.answers = AnswerBudget(max_chars=5)  # less than one answer
+    async with h.chat(body(stream=False, max_tokens=8)) as r:
+        assert r.status == 503
+        assert (await error_of(r))["code"] == "gateway_overloaded"
+    assert [x.failure for x in h.measurements()] == [FailureReason.LOCAL_RESOURCES]
+    assert not FailureReason.LOCAL_RESOURCES.blames_miner
+    assert h.upstream.answers.held == 0 and h.router.total_in_flight() == 0
+    async with h.chat(body(stream=True, max_tokens=8)) as r:  # a streamed answer is not held: served
+        assert r.status == 200
+        assert len(contents(await read_sse(r))) == 8
