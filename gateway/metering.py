@@ -26,11 +26,13 @@ from scoring.measurement import FailureReason
 from .protocol.sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
 
 CHARS_PER_TOKEN_CAP = 32  # characters of answer text allowed per token of max_tokens (plus one chunk's worth)
+HELD_CHUNK_OVERHEAD = 64  # what holding one more piece of text costs beyond its characters (a str object)
 CHARS_PER_TOKEN_ESTIMATE = 4  # what an answer without token ids is credited: its characters / 4
 
 
 class AnswerBudget:
-    """Characters of answer text the gateway may hold at once, across every stream that holds its answer.
+    """Characters of answer text the gateway may hold at once, across every stream that holds its answer
+    (each piece charged :data:`HELD_CHUNK_OVERHEAD` more, so one-character chunks cannot hide their weight).
 
     One answer is capped (``StreamMeter.max_chars``); this caps them all together: a non-streamed answer
     is held whole until it is complete, and so is every answer kept for an audit. Issue 15 measured 16
@@ -161,8 +163,9 @@ class StreamMeter:
                     raise MeterFailure(FailureReason.GARBAGE, f"more than {self.max_chars} characters of text for "
                                                               f"max_tokens={self.max_tokens}")
                 if self.budget is not None:
-                    if self.budget.take(len(chunk.content)):
-                        self.held += len(chunk.content)
+                    cost = len(chunk.content) + HELD_CHUNK_OVERHEAD
+                    if self.budget.take(cost):
+                        self.held += cost
                     elif self.must_hold:
                         raise MeterFailure(FailureReason.LOCAL_RESOURCES,
                                            f"the gateway already holds {self.budget.held} characters of answers")

@@ -175,13 +175,13 @@ def _content(text: str) -> bytes:
 
 def test_answers_held_at_once_share_one_budget() -> None:
     """Issue 15 item 4: one answer is capped, and so is what all held answers weigh together."""
-    from gateway.metering import AnswerBudget
+    from gateway.metering import HELD_CHUNK_OVERHEAD, AnswerBudget
 
-    budget = AnswerBudget(max_chars=100)
+    budget = AnswerBudget(max_chars=100 + 2 * HELD_CHUNK_OVERHEAD)
     a = StreamMeter(64, 0.0, budget=budget, must_hold=True)
     b = StreamMeter(64, 0.0, budget=budget, must_hold=True)
     a.feed(_content("x" * 60), now=0.1)
-    assert budget.held == 60
+    assert budget.held == 60 + HELD_CHUNK_OVERHEAD  # each piece held costs its object too
     with pytest.raises(MeterFailure) as e:
         b.feed(_content("y" * 50), now=0.1)
     assert e.value.reason == FailureReason.LOCAL_RESOURCES  # the gateway's condition: no miner is blamed
@@ -190,6 +190,6 @@ def test_answers_held_at_once_share_one_budget() -> None:
     assert budget.held == 0 and budget.refused == 1
     # an answer kept only for a possible audit is dropped, not failed: the user's stream goes on
     kept = StreamMeter(64, 0.0, budget=budget, keep_answer=True)
-    budget.take(90)
+    budget.take(budget.max_chars - 10)
     kept.feed(_content("z" * 20), now=0.2)
-    assert not kept.keep_answer and kept.text == [] and kept.tokens == 1 and budget.held == 90
+    assert not kept.keep_answer and kept.text == [] and kept.tokens == 1 and budget.held == budget.max_chars - 10
