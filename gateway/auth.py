@@ -89,7 +89,14 @@ def load_keys(
     by default). A key given twice keeps the file's policy."""
     found: list[tuple[str, KeyPolicy]] = []
     if keys_file:
-        found += parse_keys_text(Path(keys_file).read_text())
+        try:
+            text = Path(keys_file).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise KeysFileError(f"API keys file {keys_file}: cannot read it ({e})") from None
+        try:
+            found += parse_keys_text(text)
+        except KeysFileError as e:
+            raise KeysFileError(f"API keys file {keys_file}, {e}") from None
     extra = [k.strip() for k in keys or () if k and k.strip()]
     env = os.environ if env is None else env
     extra += [k.strip() for k in env.get(ENV_VAR, "").split(",") if k.strip()]

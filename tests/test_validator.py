@@ -216,6 +216,14 @@ def test_operator_mistakes_exit_2_with_one_clear_line(tmp_path: Path, capfd: pyt
     assert "validator.sqlite" in err and "not reset" in err
     assert (state / "validator.sqlite").read_bytes().startswith(b"definitely not sqlite")  # left as it was
 
+    keys = tmp_path / "keys"
+    keys.write_text("sk-ok name=a\nsk-typo rpm=sixty\n")
+    for path, says in ((keys, "line 2: rpm='sixty' must be a positive integer"), (tmp_path / "none", "cannot read")):
+        assert main(["--local", "--state-dir", str(tmp_path / "s3"), "--gateway.port", "0", "--local.rounds", "1",
+                     "--gateway.keys-file", str(path)]) == 2
+        err = capfd.readouterr().err
+        assert says in err and "Traceback" not in err, err
+
 
 def test_building_a_validator_does_no_io(tmp_path: Path) -> None:
     """Constructors open nothing: the state dir, SQLite and sockets come with start()."""

@@ -96,6 +96,7 @@ async def _until_stopped(coro: Coroutine[Any, Any, int]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (``tensorgate-validator``)."""
+    from gateway.auth import KeysFileError
     from scoring.profiles import ProfileError
     from scoring.store import StateError
 
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         logger.info("stopped")
         return 0
-    except (MissingKeyError, ChainSeamError, StateError, ModelUnavailable, ProfileError, CorruptChainState) as e:
+    except (MissingKeyError, ChainSeamError, StateError, ModelUnavailable, ProfileError, CorruptChainState,
+            KeysFileError) as e:
         logger.error("{}", e)
         return 2
 
