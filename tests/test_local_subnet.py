@@ -72,7 +72,7 @@ async def test_restart_restores_routing_without_settling(finished_run: Path) -> 
         await v.open_state()
         assert v.scorer.restored and v.store is not None
         rounds_before = len(v.store.load_rounds(100))
-        assert rounds_before == ROUNDS
+        assert rounds_before in (ROUNDS, ROUNDS + 1)  # + the round in progress at the stop, if it measured anything
         await v.start()
         # Routable at once with the saved credits: every miner has a measured score, before any round ran.
         scores = {m.uid: m.score for m in v.router.miners()}
