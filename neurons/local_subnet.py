@@ -73,7 +73,8 @@ def local_config(cfg: ValidatorConfig) -> ValidatorConfig:
 
     In real mode, settings still at their simulated defaults move to the CPU's: the packaged model's
     name, the ``cpu-gemma270m`` credit profile, the packaged model as the audit reference, requests
-    sized for a CPU, fewer miners and less traffic.
+    sized for a CPU, fewer miners and less traffic. In simulated mode the toy model the cards run is
+    the audit reference.
     """
     d = ValidatorConfig()
     if cfg.local_runtime == "real":
@@ -87,6 +88,8 @@ def local_config(cfg: ValidatorConfig) -> ValidatorConfig:
             local_traffic_rps=REAL_TRAFFIC_RPS if cfg.local_traffic_rps == d.local_traffic_rps
             else cfg.local_traffic_rps,
         )
+    else:  # simulated cards run the toy model (neurons.model.toy): audited like a real one
+        cfg = replace(cfg, audit_model="toy" if cfg.audit_model == "none" else cfg.audit_model)
     blocks_per_round = max(2, int(round(cfg.local_round_s / cfg.local_block_time)))
     return replace(
         cfg,

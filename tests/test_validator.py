@@ -114,7 +114,8 @@ def test_audit_and_real_mode_flags(tmp_path: Path) -> None:
     assert real.local_cheats == ["random", "hot"] and real.local_miner_urls == ["127.0.0.1:8099"]
     for bad in (["--local", "--local.cheat", "random"],  # cheats need the real model
                 ["--local", "--audit.model", "packaged"],  # simulated cards cannot pass an audit
-                ["--local.cheat", "nonsense"]):
+                ["--local.cheat", "nonsense"],
+                ["--audit.model", "toy"]):  # the toy model is only the simulated cards'
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -129,7 +130,7 @@ def test_real_mode_moves_defaults_to_the_cpu() -> None:
     kept = local_config(ValidatorConfig(local=True, local_runtime="real", credit_profile="/x.json", local_miners=3))
     assert kept.credit_profile == "/x.json" and kept.local_miners == 3  # what the operator chose stays
     sim = local_config(ValidatorConfig(local=True))
-    assert (sim.credit_profile, sim.audit_model, sim.prompt_mix) == ("rtx5090", "none", "gpu")
+    assert (sim.credit_profile, sim.audit_model, sim.prompt_mix) == ("rtx5090", "toy", "gpu")  # audited too
 
 
 class FakeChain:

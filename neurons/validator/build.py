@@ -43,7 +43,7 @@ from .config import ValidatorConfig
 from .neuron import Validator
 from .probes import ProbeRunner
 from .prompts import MIXES, PromptGenerator
-from .reference import LlamaReference, Reference, RemoteReference
+from .reference import LlamaReference, Reference, RemoteReference, ToyReference
 from .shapes import ShapeSample
 
 
@@ -131,6 +131,8 @@ def _reference(cfg: ValidatorConfig) -> Reference:
     (found and loaded in ``start``: building does no I/O)."""
     if cfg.audit_url:
         return RemoteReference(cfg.audit_url)
+    if cfg.audit_model == "toy":
+        return ToyReference()
     path = None if cfg.audit_model == "packaged" else Path(cfg.audit_model).expanduser()
     return LlamaReference(path, n_ctx=cfg.audit_context, threads=cfg.audit_threads)
 

@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     au = p.add_argument_group("verified inference (audits)")
     au.add_argument("--audit.model", dest="audit_model", default=d.audit_model,
                     help="reference model that audits answers: none | packaged (Gemma 3 270M from '.[real]') | "
-                         "path to a GGUF file of the subnet's model")
+                         "path to a GGUF file of the subnet's model | toy (the simulated cards' model: the local "
+                         "subnet's default)")
     au.add_argument("--audit.url", dest="audit_url", default=None,
                     help="a reference service ('python -m neurons.reference', e.g. on a GPU box) instead of "
                          "--audit.model in process; $TENSORGATE_AUDIT_KEY is its bearer key when set")
@@ -190,9 +191,11 @@ def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
     cfg = ValidatorConfig(**values)
     if cfg.audit_url and cfg.audit_model != "none":
         build_parser().error("--audit.url and --audit.model are two references: pass one")
-    if cfg.local and cfg.local_runtime == "sim" and (cfg.audit_model != "none" or cfg.audit_url):
-        build_parser().error("--audit.model with simulated miners would fail every answer (a simulated card has no "
-                             "model): use --local.runtime real")
+    if cfg.local and cfg.local_runtime == "sim" and (cfg.audit_model not in ("none", "toy") or cfg.audit_url):
+        build_parser().error("a real model would fail every answer of a simulated card (they run the toy model, "
+                             "which the local subnet audits by itself): use --local.runtime real")
+    if cfg.audit_model == "toy" and not (cfg.local and cfg.local_runtime == "sim"):
+        build_parser().error("--audit.model toy is the simulated cards' model: only for the simulated local subnet")
     if cfg.local_cheats and cfg.local_runtime != "real":
         build_parser().error("--local.cheat needs --local.runtime real (a simulated card has no model to cheat with)")
     if cfg.local and cfg.state_dir == ValidatorConfig().state_dir:

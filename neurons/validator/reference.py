@@ -10,7 +10,9 @@ relays streams.
 subnet's model); on a real subnet, the operator's copy of the subnet's model (``--audit.model``),
 which llama.cpp runs on the CPU, or on a GPU with a CUDA build of ``llama-cpp-python``.
 ``RemoteReference`` sends each answer to that same code run as a service elsewhere (``--audit.url``,
-``python -m neurons.reference``).
+``python -m neurons.reference``). ``ToyReference`` replays the simulated cards' toy model
+(:mod:`neurons.model.toy`) through the same checks and verdict, so the default local subnet and the
+soak audit their simulated answers too.
 
 Example::
 
@@ -33,9 +35,12 @@ import aiohttp
 
 from neurons.model.engine import EngineThread, LlamaEngine
 from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
+from neurons.model.toy import ToyModel
 from neurons.reference.protocol import AUDIT_PATH, KEY_ENV, encode_request, verdict_from_json
 from scoring.audit import AuditBands, Verdict, check_ids, force, judge
 from scoring.measurement import Answer
+
+TOY = ToyModel()
 
 
 class Reference(Protocol):
@@ -75,6 +80,30 @@ class LlamaReference:
 
     async def aclose(self) -> None:
         await self._worker.aclose()
+
+
+class ToyReference:
+    """The simulated cards' model: rows built from the prompt's key, judged like the real model's."""
+
+    name = "toy model of the simulated cards"
+
+    async def start(self) -> None:
+        return None
+
+    async def audit(self, answer: Answer, bands: AuditBands) -> Verdict | None:
+        return await asyncio.to_thread(_toy_audit, answer, bands)  # rows of up to 4k x 441 floats: off the loop
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _toy_audit(answer: Answer, bands: AuditBands) -> Verdict:
+    model = TOY
+    checked = check_ids(answer, vocab_size=model.vocab_size, piece=model.piece, stop_ids=model.stop_ids)
+    if isinstance(checked, Verdict):
+        return checked
+    rows = model.rows(model.key(answer.messages), len(checked.ids), answer.max_tokens)
+    return judge(answer, checked, force(rows, checked.ids, answer.sampling, model.stop_ids), bands)
 
 
 class RemoteReference:

@@ -38,22 +38,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.protocol.openai import requested_max_tokens
+from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from gateway.protocol.tokens import estimate_prompt_tokens
 
+from ...model.toy import STOP_SHARE, ToyModel
 from .base import RuntimeFailure, RuntimeHealth
 
-_VOCAB = (
-    "the of and to in is that for it as with was on be by this are from or at an which have not had "
-    "they you but all were we there can been one their has more will would so if its some other into "
-    "time only new could these two may first then do any like my now over such our man me even most "
-    "made after also did many before must through back years where much your way well down should "
-    "because each just those people how too little state good very make world still own see men work "
-    "long get here between both life being under never day same another know while last might us great "
-    "old year off come since against go came right used take three card token stream model gradient "
-    "tensor kernel memory cache batch decode prefill latency signal network miner validator subnet"
-).split()
-
+MODEL = ToyModel()  # what every simulated card runs (neurons.model.toy): its answers can be audited
 
 @dataclass(frozen=True, slots=True)
 class CardProfile:
@@ -69,7 +61,8 @@ class CardProfile:
     time_scale: float = 1.0
     tick_s: float = 0.015  # real seconds between writes while decoding
     max_completion_tokens: int = 4096  # like a runtime's context limit: longer requests are clamped
-    stop_rate: float = 0.1  # chance of finishing with "stop" between 50 % and 100 % of max_tokens
+    stop_rate: float = STOP_SHARE  # share of prompts the model ends between 50 % and 100 % of max_tokens (a
+    #                                 different share is a different model: it fails the toy reference's audits)
     # fault knobs
     fail_rate: float = 0.0  # refuse before the first byte (HTTP 500)
     hang_s: float = 0.0  # extra wait before the first token
@@ -182,16 +175,27 @@ class SimulatedRuntime:
         j = self.profile.jitter
         return max(0.5, 1.0 + self._rng.gauss(0.0, j)) if j > 0 else 1.0
 
-    def _word(self, frames: ChunkFramer, first: bool) -> bytes:
-        """One token's chunk, naming its id (the word's place in the vocabulary), as vLLM's ``return_token_ids``."""
-        i = self._rng.randrange(len(_VOCAB))
-        w = _VOCAB[i]
-        text = w.capitalize() if first else " " + w
+    def _chunk(self, frames: ChunkFramer, token: int) -> bytes:
+        """One token's chunk, naming its id, as vLLM's ``return_token_ids`` does."""
+        text = MODEL.piece(token).decode()
         k = self.profile.chunks_per_token
         if k > 1:
             cut = [text[len(text) * j // k: len(text) * (j + 1) // k] for j in range(k)]
             return b"".join(frames.content(piece) for piece in cut if piece)
-        return frames.tokens(text, [i])
+        return frames.tokens(text, [token])
+
+    def _answer(self, payload: dict[str, Any], total: int, max_tokens: int) -> tuple[list[int], bool]:
+        """The toy model's tokens (at most ``total``) for this prompt, and whether the model ended the answer."""
+        key = MODEL.key(payload.get("messages"))
+        end = MODEL.natural_end(key, max_tokens, share=self.profile.stop_rate)
+        sampling = SamplingParams.of(payload)
+        out: list[int] = []
+        for pos in range(total):
+            t = MODEL.next_token(key, pos, end, sampling, self._rng)
+            if t == MODEL.eot:
+                return out or [MODEL.favourite(key, 0)], True
+            out.append(t)
+        return out, False
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
@@ -204,14 +208,13 @@ class SimulatedRuntime:
         prompt_tokens = estimate_prompt_tokens(payload.get("messages"))
         max_tokens = requested_max_tokens(payload)
         total = min(max_tokens, p.max_completion_tokens)
-        finish = "length"
         if rng.random() < p.overlong:
             total = max_tokens + max(8, max_tokens // 4)
-        elif p.stop_rate > 0 and rng.random() < p.stop_rate:
-            total = max(1, int(total * rng.uniform(0.5, 1.0)))
-            finish = "stop"
-        if 0 < p.stop_after_tokens < total:
-            total, finish = p.stop_after_tokens, "stop"
+        tokens, ended = self._answer(payload, total, max_tokens)
+        finish = "stop" if ended else "length"
+        if 0 < p.stop_after_tokens < len(tokens):
+            tokens, finish = tokens[: p.stop_after_tokens], "stop"
+        total = len(tokens)
         drop_at = p.drop_after_tokens if p.drop_after_tokens > 0 else None
         garbage = rng.random() < p.garbage
         nan_usage = rng.random() < p.nan_usage
@@ -234,7 +237,7 @@ class SimulatedRuntime:
             yield frame(frames.chunk({"role": "assistant"}, None))
             await asyncio.sleep(max(0.0, ttft_real - (loop.time() - now)))
 
-            out = [self._word(frames, True)]
+            out = [self._chunk(frames, tokens[0])]
             emitted = 1
             if garbage:
                 out.append(GARBAGE_FRAME)
@@ -254,7 +257,7 @@ class SimulatedRuntime:
                     continue
                 owed -= k
                 emitted += k
-                yield b"".join(self._word(frames, False) for _ in range(k))
+                yield b"".join(self._chunk(frames, t) for t in tokens[emitted - k : emitted])
             if drop_at is not None and emitted >= drop_at:
                 return  # abrupt end: no finish_reason, no [DONE]
             tail = [frame(frames.chunk({}, finish))]

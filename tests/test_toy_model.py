@@ -1,0 +1,104 @@
+"""The simulated cards' toy model: honest answers pass the audit's own verdict, cheats fail it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from gateway.protocol.sampling import SamplingParams, asked_logprobs
+from neurons.model.toy import ToyModel
+from neurons.validator.reference import ToyReference
+from scoring.audit import AuditBands, AuditFailure, Verdict
+from scoring.measurement import Answer
+
+M = ToyModel()
+
+
+def _answer(messages: list[dict], *, temperature: float, top_p: float = 1.0, max_tokens: int = 48,
+            rng: random.Random, cheat: str = "") -> Answer:
+    key = M.key(messages)
+    end = M.natural_end(key, max_tokens)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p)
+    ids: list[int] = []
+    finish = "length"
+    for pos in range(max_tokens):
+        t = M.next_token(key, pos, end, sampling, rng)
+        if t == M.eot:
+            finish = "stop"
+            break
+        ids.append(t)
+    if cheat == "random":
+        ids = [rng.randrange(M.n) + (M.n if i == 0 else 0) for i in range(len(ids))]
+    elif cheat == "stop-early":
+        ids, finish = ids[:2], "stop"
+    elif cheat == "other-prompt":
+        other = M.key([{"role": "user", "content": "something else entirely"}])
+        ids = [M.next_token(other, pos, None, sampling, rng) for pos in range(len(ids))]
+    text = b"".join(M.piece(t) for t in ids).decode()
+    return Answer(messages=messages, sampling=sampling, max_tokens=max_tokens, stop=(), text=text,
+                  token_ids=None if cheat == "no-ids" else tuple(ids), finish_reason=finish)
+
+
+def _verdict(a: Answer) -> Verdict | None:
+    return asyncio.run(ToyReference().audit(a, AuditBands()))
+
+
+def _prompt(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"question number {i}: tell me about {i * 7919 % 1000}"}]
+
+
+def test_sampling_on_the_miner_is_the_distribution_the_reference_computes() -> None:
+    """The miner's analytic draw and the reference's numpy rows agree (temperature, then the nucleus)."""
+    key = M.key(_prompt(1))
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.5), (1.3, 0.9)):
+        rng = random.Random(2)
+        draws = [M.next_token(key, 5, None, SamplingParams(temperature, top_p), rng) for _ in range(20000)]
+        probs = np.exp(asked_logprobs(M.rows(key, 5, 64)[5], temperature, top_p)[0])
+        fav = M.favourite(key, 5)
+        observed = draws.count(fav) / len(draws)
+        sd = (probs[fav] * (1 - probs[fav]) / len(draws)) ** 0.5
+        assert abs(observed - probs[fav]) < 5 * sd + 1e-3, (temperature, top_p, observed, probs[fav])
+        outside = [t for t in draws if probs[t] == 0.0]
+        assert not outside, (temperature, top_p)  # nothing drawn that the nucleus excludes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_honest_answers_pass(temperature: float) -> None:
+    rng = random.Random(3)
+    for i in range(60):
+        a = _answer(_prompt(i), temperature=temperature, top_p=0.9 if i % 3 == 0 else 1.0, rng=rng)
+        v = _verdict(a)
+        assert v is not None and v.passed, (i, v, a.finish_reason, len(a.token_ids or ()))
+        assert v.tokens == len(a.token_ids or ())
+
+
+@pytest.mark.parametrize("cheat, failure", [
+    ("random", {AuditFailure.WRONG_TOKENS, AuditFailure.IMPLAUSIBLE}),
+    ("stop-early", {AuditFailure.EARLY_STOP}),
+    ("other-prompt", {AuditFailure.WRONG_TOKENS, AuditFailure.IMPLAUSIBLE}),
+    ("no-ids", {AuditFailure.NO_TOKEN_IDS}),
+])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cheats_fail(cheat: str, failure: set[AuditFailure], temperature: float) -> None:
+    rng = random.Random(4)
+    caught = 0
+    for i in range(20):
+        a = _answer(_prompt(100 + i), temperature=temperature, max_tokens=48, rng=rng, cheat=cheat)
+        if cheat == "stop-early" and a.max_tokens <= 2:
+            continue
+        v = _verdict(a)
+        assert v is not None
+        if not v.passed:
+            assert v.failure in failure, (cheat, v)
+            caught += 1
+    assert caught >= 19, (cheat, temperature, caught)
+
+
+def test_a_text_that_its_ids_do_not_spell_fails() -> None:
+    a = _answer(_prompt(7), temperature=0.0, rng=random.Random(5))
+    v = _verdict(dataclasses.replace(a, text=a.text + " extra"))
+    assert v is not None and v.failure == AuditFailure.TEXT_MISMATCH
