@@ -11,7 +11,8 @@ menus), so the scenario tests the pay rules, not how well probes are disguised.
 * ``probes-stall``: serve probes, leave every user request hanging before its first byte.
 * ``self-dealer``: its owner also holds an API key and sends long prompts marked with
   :data:`SELF_MARK` through the gateway; whichever of them is routed to its own miner is answered at
-  once (a cached answer: no prefill, no decode, no card time), everything else honestly.
+  once with the model's own answer, computed beforehand (no prefill, no decode, no card time now: it
+  passes its audits), everything else honestly.
 
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
@@ -26,16 +27,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from gateway.protocol.openai import SLOTS_HEADER
+from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from neurons.miner.runtimes.base import RuntimeFailure, RuntimeHealth
+from neurons.model.toy import ToyModel
 
 from .load import CardRuntime
 
+TOY = ToyModel()
 CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer")
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
 HANG_S = 3600.0  # "until the client gives up": the validator's first-token deadline ends it long before
@@ -92,13 +97,24 @@ class CheatRuntime:
 
 
 def _instant_answer(payload: dict[str, Any]) -> bytes:
-    """The whole answer in one write: ``max_tokens`` tokens with ids, ``length``, ``[DONE]``."""
+    """The model's greedy answer, all in one write (as if computed beforehand): ids, finish, ``[DONE]``."""
     f = ChunkFramer("chatcmpl-self", int(time.time()), str(payload.get("model", "m")))
     n = payload.get("max_tokens")
     n = n if isinstance(n, int) and n > 0 else 16
+    key = TOY.key(payload.get("messages"))
+    end = TOY.natural_end(key, n)
+    greedy = SamplingParams(temperature=0.0)
+    ids: list[int] = []
+    finish = "length"
+    for pos in range(n):
+        t = TOY.next_token(key, pos, end, greedy, random.Random(0))
+        if t == TOY.eot:
+            finish = "stop"
+            break
+        ids.append(t)
     parts = [frame(f.chunk({"role": "assistant"}, None))]
-    parts += [f.tokens(" cached", [7]) for _ in range(n)]
-    parts += [frame(f.chunk({}, "length")), DONE_FRAME]
+    parts += [f.tokens(TOY.piece(t).decode(), [t]) for t in ids]
+    parts += [frame(f.chunk({}, finish)), DONE_FRAME]
     return b"".join(parts)
 
 

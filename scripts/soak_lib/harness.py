@@ -36,6 +36,7 @@ from neurons.validator.build import build_parts
 from neurons.validator.config import ValidatorConfig
 from neurons.validator.probes import ProbeRunner
 from neurons.validator.prompts import PromptGenerator
+from neurons.validator.reference import ToyReference
 from scoring.measurement import Measurement
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
@@ -221,7 +222,12 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         parts = build_parts(ValidatorConfig(gateway_port=0, models=[MODEL], max_retries=2,
                                             settlement_rounds=opts.window),
                             vkey, api_keys=[API_KEY], router=router,
-                            timeouts=scaled_timeouts(UpstreamTimeouts(), scale), env={})
+                            timeouts=scaled_timeouts(UpstreamTimeouts(), scale), env={},
+                            reference=ToyReference() if sc.audits else None)
+        auditor = parts.auditor
+        if auditor is not None:
+            audits = asyncio.create_task(auditor.run())
+            stack.push_async_callback(_cancelled, audits)
         if router_kind not in ("project", "slots"):  # the reference routers ignore X-Miner-Slots
             parts.upstream.on_slots = None
         scorer, upstream = parts.scorer, parts.upstream
@@ -250,7 +256,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
             """A key holder's own long prompt, for its own miner to answer at once when routed there."""
             text = SELF_MARK + " " + "please read this carefully " * traffic_rng.randint(400, 700)
             body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
-                    "stream": True}
+                    "temperature": 0, "stream": True}
             try:
                 async with client.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                                        timeout=aiohttp.ClientTimeout(total=max(30.0, 600.0 / scale))) as resp:
@@ -348,8 +354,20 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                 if tasks:  # organic stragglers; probes and sequential traffic are already awaited
                     await asyncio.wait(set(tasks), timeout=DRAIN_S)
                 for meas in parts.measurements.drain():
-                    sink.record(meas)
-                _close(scorer, router, result, miners, alive, current, hk2uid)
+                    if auditor is None or not auditor.take(meas):
+                        sink.record(meas)
+                quarantined: set[str] = set()
+                if auditor is not None:  # the validator's own order: audited answers are paid as their verdict says
+                    for _ in range(200):
+                        if not auditor.backlog:
+                            break
+                        await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.05)  # the one being audited
+                    for meas in auditor.ready():
+                        sink.record(meas)
+                    quarantined = auditor.book.quarantined()
+                    router.set_quarantined(quarantined)
+                _close(scorer, router, result, miners, alive, current, hk2uid, quarantined)
                 current.clear()
         finally:
             for t in list(tasks):
@@ -369,10 +387,10 @@ async def _cancelled(task: asyncio.Task[Any]) -> None:
 
 
 def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[_Miner], alive: dict[str, bool],
-           batch: list[Measurement], hk2uid: dict[str, int]) -> None:
+           batch: list[Measurement], hk2uid: dict[str, int], quarantined: set[str] | None = None) -> None:
     report = scorer.close_round()
     router.set_scores(scorer.routing_scores())
-    weights = scorer.weights(hk2uid)
+    weights = scorer.weights(hk2uid, exclude=quarantined or set())
     rows = report.by_hotkey()
     served_total = sum(1 for x in batch if not x.probe and x.ok)
     for m in miners:

@@ -47,6 +47,7 @@ CHEATERS: dict[str, bool] = {
     "half-chunks": False,  # a half-speed card sending every token as 2 id-less chunks
     "refuse-busy": False,  # refuses (429) whenever it already has a stream
     "self-dealer": False,  # sends its own long prompts through the gateway, answers those routed to it at once
+    "no-model": True,  # no GPU, no model: random words at a fast card's speed
 }
 HALF_SPEED = CardProfile(name="rtx5090-half", single_tok_s=220.0, aggregate_tok_s=150.0, chunks_per_token=2)
 
@@ -91,6 +92,7 @@ class Scenario:
     honest: tuple[str, ...] = ()  # adversarial: unloaded honest cards, the yardstick
     background: str | None = None  # adversarial: the honest card with invisible load
     self_dealing_interval_s: float = 0.0  # > 0: a key holder sends its own long prompts this often (simulated)
+    audits: bool = False  # audit answers on the simulated cards' toy model, as the local subnet does
     labels: tuple[str, ...] = field(default=())
 
     def card(self, label: str) -> CardSpec:
@@ -158,13 +160,15 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
                CardSpec("stop-early", dataclasses.replace(FAST, stop_after_tokens=2)),
                CardSpec("half-chunks", HALF_SPEED),
                CardSpec("refuse-busy", FAST, cheat="refuse-when-card-busy"),
-               CardSpec("self-dealer", FAST, cheat="self-dealer")),
+               CardSpec("self-dealer", FAST, cheat="self-dealer"),
+               CardSpec("no-model", dataclasses.replace(FAST, random_words=1))),
         traffic=Traffic("poisson", interval_s=0.5, max_tokens=(64, 96, 128, 192)),
         rounds=3 if smoke else window,
         round_s=20.0 if smoke else 60.0,
         honest=tuple(c.label for c in honest),
         background="honest-bg",
         self_dealing_interval_s=2.0,
+        audits=True,
     )
     out = {s.name: s for s in (seed, burst, mixed, capacity, adversarial)}
     return {k: dataclasses.replace(v, labels=tuple(c.label for c in v.cards)) for k, v in out.items()}

@@ -73,6 +73,7 @@ class CardProfile:
     # cheats (the soak's adversarial scenario): what a dishonest miner does with a real card
     stop_after_tokens: int = 0  # > 0: answer this many tokens, then claim the model stopped ("stop")
     chunks_per_token: int = 1  # > 1: cut each token's text into this many chunks and name no token ids
+    random_words: int = 0  # 1: no model at all: random words (with ids), fast, to max_tokens
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -210,7 +211,10 @@ class SimulatedRuntime:
         total = min(max_tokens, p.max_completion_tokens)
         if rng.random() < p.overlong:
             total = max_tokens + max(8, max_tokens // 4)
-        tokens, ended = self._answer(payload, total, max_tokens)
+        if p.random_words:
+            tokens, ended = [rng.randrange(MODEL.n) + (MODEL.n if i == 0 else 0) for i in range(total)], False
+        else:
+            tokens, ended = self._answer(payload, total, max_tokens)
         finish = "stop" if ended else "length"
         if 0 < p.stop_after_tokens < len(tokens):
             tokens, finish = tokens[: p.stop_after_tokens], "stop"
