@@ -15,6 +15,9 @@ characters in header values. It keeps the body of an ``Upgrade: h2c`` request. T
 HTTP/0.9; ``Expect: 100-continue`` (stray whitespace too) is answered here, when the app first asks for
 the body.
 
+A write to a client that has left raises :class:`~gateway.asgi.ClientGone` to the app (counted as a
+disconnect), never an error aiohttp would log with a traceback for every such client.
+
 A client that half-closes its side after sending a request is treated as gone: the server cannot tell a
 half-close from a close until it writes, and a client that really left must free its miner's slot at
 once (nginx's proxy does the same by default).
@@ -49,6 +52,8 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
+
+from ..asgi import ClientGone
 
 
 class _QuietBadRequests(logging.Filter):
@@ -179,6 +184,12 @@ class HttpServer:
             if kind == "http.response.start":
                 state["start"] = message
                 return
+            try:
+                await _send(message)
+            except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the client left mid-write
+                raise ClientGone from None
+
+        async def _send(message: dict[str, Any]) -> None:
             response: web.StreamResponse | None = state["response"]
             if response is None:
                 start = state["start"]
