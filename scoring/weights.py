@@ -1,6 +1,7 @@
-"""Settled scores -> on-chain weights for the UIDs the metagraph has now.
+"""Settled values -> on-chain weights for the UIDs the metagraph has now.
 
-Weights are proportional to settled scores (normalised to sum 1, which is informative only: the
+Weights are proportional to settled values (the paid work x credit of :mod:`scoring.pay`, averaged
+over the window; normalised to sum 1, which is informative only: the
 SDK clips to ``MaxWeightsLimit``, rescales to u16 and drops zeros itself, so that is not redone
 here). The hotkey -> uid map comes from the current metagraph; a hotkey no longer in it is dropped,
 which is also how a re-registered UID avoids inheriting its predecessor's score. When nothing is
@@ -24,7 +25,7 @@ def _payable(score: float) -> bool:
 
 
 def compute_weights(settled: Mapping[str, float], hotkey_to_uid: Mapping[str, int]) -> dict[int, float]:
-    """``{uid: weight}`` proportional to settled score, summing to 1; empty when nothing is payable."""
+    """``{uid: weight}`` proportional to each hotkey's settled value, summing to 1; empty when nothing is payable."""
     raw: dict[int, float] = {}
     for hk, score in settled.items():
         uid = hotkey_to_uid.get(hk)
@@ -40,7 +41,7 @@ def compute_weights(settled: Mapping[str, float], hotkey_to_uid: Mapping[str, in
 def why_empty(settled: Mapping[str, float], hotkey_to_uid: Mapping[str, int]) -> str:
     """A one-line reason :func:`compute_weights` returned nothing (for logs)."""
     if not settled:
-        return "no miner has a settled score yet"
+        return "no miner has a settled value yet"
     registered = [hk for hk in settled if hk in hotkey_to_uid]
     if not registered:
         return f"none of the {len(settled)} scored hotkeys is in the metagraph any more"
