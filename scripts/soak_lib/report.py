@@ -43,7 +43,7 @@ class Summary:
     router: str
     total_served: int
     shares: dict[str, float]
-    expected_shares: dict[str, float]  # proportional to the final settled scores
+    expected_shares: dict[str, float]  # proportional to the final settled credits (routing also weighs capacity)
     max_round_credit_diff: float | None  # identical cards, over rounds where both were measured
     final_settled_diff: float | None
     oscillations: int  # rounds whose dominant miner differs from the previous round's dominant miner
