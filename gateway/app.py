@@ -59,6 +59,7 @@ class GatewayConfig:
     max_head_bytes: int = 16 * 1024  # request line and headers; longer is refused, never buffered
     keepalive_timeout: float = 75.0  # an idle client connection is closed after this long
     max_connections: int = 2048  # client connections at once; more get 503 and are closed (file descriptors)
+    header_timeout: float = 10.0  # a new connection's first request head must arrive within this
     max_retries: int = 2  # extra miners tried before the client has seen a byte
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_cap: int = 4096
@@ -129,7 +130,7 @@ class Gateway:
         c = self.config
         server = HttpServer(self, host=c.host, port=c.port, keepalive_timeout=c.keepalive_timeout,
                             max_head_bytes=c.max_head_bytes, shutdown_timeout=c.shutdown_timeout,
-                            max_connections=c.max_connections)
+                            max_connections=c.max_connections, header_timeout=c.header_timeout)
         await server.start()
         self._server = server
         if c.freeze_heap:

@@ -267,3 +267,33 @@ async def test_connections_over_the_cap_get_503_and_are_closed_at_once() -> None
         for _, w in idle:
             w.close()
         await server.stop()
+
+
+async def test_a_connection_that_trickles_its_first_head_is_closed_at_the_header_timeout() -> None:
+    """A slow-loris client cannot hold a connection (and a file descriptor) for the whole keep-alive time."""
+    from gateway.http.server import HttpServer
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = HttpServer(app, port=0, header_timeout=0.3, keepalive_timeout=30.0)
+    await server.start()
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # ... and never the blank line
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(r.read(), 5) == b""  # closed by the server
+        assert 0.25 < time.monotonic() - t0 < 3.0 and server.expired_connections == 1
+        w.close()
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)  # a real client keeps its connection
+        for _ in range(2):
+            w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200")
+            assert await r.readexactly(2) == b"ok"
+            await asyncio.sleep(0.5)  # past the header timeout: served connections are not expired
+        assert server.expired_connections == 1
+        w.close()
+    finally:
+        await server.stop()

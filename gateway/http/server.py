@@ -29,8 +29,9 @@ counts refusals it sees; these never reach it).
 Connections are capped (``max_connections``): past the cap a new connection gets ``503`` with
 ``Retry-After`` and is closed at once, before anything is read, so a flood of idle sockets cannot use
 up the process's file descriptors (the miners' connections need them too: issue 15 saw ~1,020 idle
-sockets block every client and get healthy miners booked ``connect``). aiohttp closes a connection
-that has not sent a request within ``keepalive_timeout``.
+sockets block every client and get healthy miners booked ``connect``). A new connection must finish
+the head of its first request within ``header_timeout`` (10 s) or it is closed: a client trickling
+one header byte at a time cannot hold a connection for the whole ``keepalive_timeout``.
 
 The adapter maps ASGI messages onto a ``StreamResponse``: ``http.response.start`` keeps status and
 headers, the first ``http.response.body`` sends them with its bytes, the last one ends the response.
@@ -108,8 +109,11 @@ class HttpServer:
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, keepalive_timeout: float = 75.0,
                  max_head_bytes: int = 16 * 1024, shutdown_timeout: float = 5.0, backlog: int = 2048,
-                 max_connections: int = 2048) -> None:
+                 max_connections: int = 2048, header_timeout: float = 10.0) -> None:
         self.app = app
+        self.header_timeout = header_timeout
+        self.expired_connections = 0
+        self._pending: set[Any] = set()  # handlers (connections) still waiting for their first request head
         self.max_connections = max(1, max_connections)
         self.refused_connections = 0
         self.host = host
@@ -140,7 +144,21 @@ class HttpServer:
         if len(self._server.connections) >= self.max_connections:
             self.refused_connections += 1
             return _Full()
-        return self._server()
+        handler = self._server()
+        self._pending.add(handler)
+        asyncio.get_running_loop().call_later(self.header_timeout, self._expire, handler)
+        return handler
+
+    def _expire(self, handler: Any) -> None:
+        """Close a connection whose first request head did not arrive within ``header_timeout``."""
+        if handler not in self._pending:
+            return
+        self._pending.discard(handler)
+        if handler.transport is None:  # it closed by itself meanwhile
+            return
+        self.expired_connections += 1
+        handler.force_close()
+        handler.transport.close()
 
     @property
     def port(self) -> int:
@@ -158,6 +176,7 @@ class HttpServer:
         await listener.wait_closed()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        self._pending.discard(request.protocol)
         v = request.version
         scope: dict[str, Any] = {
             "type": "http",
