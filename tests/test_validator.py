@@ -308,3 +308,21 @@ async def test_the_round_in_progress_is_saved_at_stop(tmp_path: Path) -> None:
     await quiet.stop()  # nothing measured: no empty round is added
     with ScoreStore(tmp_path / "validator.sqlite") as st:
         assert len(st.load_rounds(5)) == 1
+
+
+async def test_a_refusal_the_chain_repeats_backs_off_to_one_attempt_an_interval(tmp_path: Path) -> None:
+    """Issue 15 item 10: a stale version key must not be retried every block for ever."""
+    chain = FakeChain([WeightsOutcome(ok=False, message="IncorrectWeightVersionKey")] * 50)
+    v = await _validator_with_scores(tmp_path, chain)  # weights_interval_blocks=100
+    attempts: list[int] = []
+    for _ in range(300):
+        before = len(chain.calls)
+        await v.maybe_set_weights()
+        if len(chain.calls) > before:
+            attempts.append(chain.height)
+        chain.height += 1
+    gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    assert gaps[:7] == [1, 2, 4, 8, 16, 32, 64]  # doubling ...
+    assert all(g == 100 for g in gaps[7:]) and gaps[7:]  # ... to one attempt an interval
+    assert not v.weights_set
+    await v.stop()

@@ -96,6 +96,8 @@ class Validator:
         self._last_weights_block: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._corpus_task: asyncio.Task[None] | None = None
+        self._weights_failures = 0  # refusals in a row (backoff: next block, then 2, 4, ... up to an interval)
+        self._retry_weights_at = 0
         self._store_thread: ThreadPoolExecutor | None = None
 
     # -- state I/O, off the event loop ------------------------------------------------------------
@@ -302,6 +304,8 @@ class Validator:
         block = await self.chain.block()
         if self._last_weights_block is not None and block - self._last_weights_block < self.cfg.weights_interval_blocks:
             return
+        if block < self._retry_weights_at:
+            return
         if self.my_uid is None:
             logger.warning("hotkey {} is not registered on netuid {}; not setting weights",
                            self.hotkey, self.chain.netuid)
@@ -323,6 +327,8 @@ class Validator:
             return
         outcome = await self.chain.set_weights(weights)
         if outcome.ok:
+            self._weights_failures = 0
+            self._retry_weights_at = 0
             self._last_weights_block = block
             self.weights_set.append((block, weights))
             self.weights_submitted += 1
@@ -331,7 +337,13 @@ class Validator:
             how = "committed (commit-reveal)" if outcome.commit_reveal else "set"
             logger.info("weights {} at block {}: {}", how, block, _fmt_weights(weights))
         else:
-            logger.warning("setting weights failed at block {} (will retry): {}", block, outcome.message)
+            # A transient failure is retried at the next block; one the chain keeps refusing (a stale version
+            # key, a permit lost) backs off, doubling, to one attempt an interval: never a refusal every block.
+            self._weights_failures += 1
+            wait = min(self.cfg.weights_interval_blocks, 2 ** (self._weights_failures - 1))
+            self._retry_weights_at = block + wait
+            logger.warning("setting weights failed at block {} (attempt {}, next in {} blocks): {}", block,
+                           self._weights_failures, wait, outcome.message)
 
     async def run(self, rounds: int | None = None) -> None:
         try:
