@@ -297,3 +297,11 @@ async def test_a_connection_that_trickles_its_first_head_is_closed_at_the_header
         w.close()
     finally:
         await server.stop()
+
+
+def test_the_connection_cap_leaves_half_the_descriptors_to_the_miners() -> None:
+    from gateway.http.server import connection_cap
+
+    assert connection_cap(2048, 1024) == 512  # a soft limit that could not be raised
+    assert connection_cap(2048, 1 << 20) == 2048
+    assert connection_cap(2048, None) == 2048 and connection_cap(0, 10) == 1

@@ -53,6 +53,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
+from loguru import logger
 
 from ..asgi import ClientGone
 
@@ -104,6 +105,24 @@ class _Full(asyncio.Protocol):
         transport.close()
 
 
+def connection_cap(requested: int, open_files: int | None) -> int:
+    """The client connections to allow: ``requested``, but at most half the process's open-files limit, so
+    accepting clients never starves the miners' connections and the state file of descriptors (and asyncio
+    never logs an accept error per client at the limit)."""
+    if open_files is None or open_files <= 0:
+        return max(1, requested)
+    return max(1, min(requested, open_files // 2))
+
+
+def _open_files_limit() -> int | None:
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
 class HttpServer:
     """One listening socket serving an ASGI ``app`` through aiohttp."""
 
@@ -127,6 +146,11 @@ class HttpServer:
         self._port = 0
 
     async def start(self) -> None:
+        cap = connection_cap(self.max_connections, _open_files_limit())
+        if cap < self.max_connections:
+            logger.warning("client connections capped at {} (half the open-files limit), not {}", cap,
+                           self.max_connections)
+            self.max_connections = cap
         sock = _listen(self.host, self.requested_port, self.backlog)
         self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
                                   keepalive_timeout=self.keepalive_timeout, max_line_size=self.max_head_bytes,
