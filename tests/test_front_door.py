@@ -269,7 +269,7 @@ async def test_connections_over_the_cap_get_503_and_are_closed_at_once() -> None
         await server.stop()
 
 
-async def test_a_connection_that_trickles_its_first_head_is_closed_at_the_header_timeout() -> None:
+async def test_a_connection_that_trickles_its_first_head_is_closed_at_the_header_timeout(caplog) -> None:
     """A slow-loris client cannot hold a connection (and a file descriptor) for the whole keep-alive time."""
     from gateway.http.server import HttpServer
 
@@ -295,6 +295,7 @@ async def test_a_connection_that_trickles_its_first_head_is_closed_at_the_header
             await asyncio.sleep(0.5)  # past the header timeout: served connections are not expired
         assert server.expired_connections == 1
         w.close()
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text[:500]  # nothing raised in timers
     finally:
         await server.stop()
 

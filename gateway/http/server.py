@@ -181,8 +181,7 @@ class HttpServer:
         if handler.transport is None:  # it closed by itself meanwhile
             return
         self.expired_connections += 1
-        handler.force_close()
-        handler.transport.close()
+        handler.force_close()  # closes its transport too
 
     @property
     def port(self) -> int:
