@@ -306,3 +306,64 @@ def test_the_connection_cap_leaves_half_the_descriptors_to_the_miners() -> None:
     assert connection_cap(2048, 1024) == 512  # a soft limit that could not be raised
     assert connection_cap(2048, 1 << 20) == 2048
     assert connection_cap(2048, None) == 2048 and connection_cap(0, 10) == 1
+
+
+_FLOOD_CHILD = r'''
+import asyncio, io, json, logging, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from gateway.http.server import HttpServer
+log = io.StringIO()
+logging.basicConfig(stream=log, level=logging.WARNING)
+FLOODER = """
+import asyncio, sys
+async def main(port):
+    held = []
+    for _ in range(1020):
+        try:
+            held.append(await asyncio.open_connection("127.0.0.1", port))
+        except OSError:
+            break
+    print(len(held), flush=True)
+    await asyncio.sleep(30)
+asyncio.run(main(int(sys.argv[1])))
+"""
+async def app(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+async def ask(port):
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    line = await asyncio.wait_for(r.readline(), 5)
+    w.close()
+    return line.decode().strip()
+async def main():
+    s = HttpServer(app, port=0, header_timeout=1.5)
+    await s.start()
+    p = await asyncio.create_subprocess_exec(sys.executable, "-c", FLOODER, str(s.port), stdout=asyncio.subprocess.PIPE)
+    held = int((await asyncio.wait_for(p.stdout.readline(), 20)).strip() or 0)
+    during = await ask(s.port)
+    await asyncio.sleep(2.0)
+    after = await ask(s.port)
+    p.kill()
+    await p.wait()
+    await s.stop()
+    print(json.dumps({"held": held, "cap": s.max_connections, "during": during, "after": after,
+                      "expired": s.expired_connections, "log": log.getvalue()[:300]}))
+asyncio.run(main())
+'''
+
+
+def test_a_flood_of_idle_connections_gets_503s_then_expires_and_logs_nothing() -> None:
+    """Issue 15 item 2: ~1,020 idle sockets at a 1,024 open-files limit used to block every client."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _FLOOD_CHILD], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["held"] >= 512 and got["cap"] == 512, got  # half the descriptors stay with the process
+    assert got["during"].startswith("HTTP/1.1 503"), got  # refused at once, not hanging, no miner touched
+    assert got["after"].startswith("HTTP/1.1 200"), got  # the idle ones expired at the header timeout
+    assert got["expired"] >= 400 and got["log"] == "", got
