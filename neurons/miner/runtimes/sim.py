@@ -2,7 +2,9 @@
 
 The local subnet, the tests and the soak runs need miners that behave like a real card under load
 without a GPU. The load model is a handful of parameters (:class:`CardProfile`); the timing comes
-from real ``asyncio`` sleeps, so the validator measures it exactly as it would a real card.
+from real ``asyncio`` sleeps, so the validator measures it exactly as it would a real card. What it
+says is the toy model's answer (:mod:`neurons.model.toy`), each token's id named, so the validator
+can audit it as it would a real model's.
 
 Load model (all durations divided by ``time_scale``):
 
