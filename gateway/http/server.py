@@ -132,7 +132,8 @@ class HttpServer:
         self.app = app
         self.header_timeout = header_timeout
         self.expired_connections = 0
-        self._pending: set[Any] = set()  # handlers (connections) still waiting for their first request head
+        # connections still waiting for their first request head, with the timer that closes them
+        self._pending: dict[Any, asyncio.TimerHandle] = {}
         self.max_connections = max(1, max_connections)
         self.refused_connections = 0
         self.host = host
@@ -168,16 +169,17 @@ class HttpServer:
         if len(self._server.connections) >= self.max_connections:
             self.refused_connections += 1
             return _Full()
+        if len(self._pending) > 2 * self.max_connections:  # connections that closed before any request: forget them
+            for gone in [h for h in self._pending if h.transport is None]:
+                self._pending.pop(gone).cancel()
         handler = self._server()
-        self._pending.add(handler)
-        asyncio.get_running_loop().call_later(self.header_timeout, self._expire, handler)
+        self._pending[handler] = asyncio.get_running_loop().call_later(self.header_timeout, self._expire, handler)
         return handler
 
     def _expire(self, handler: Any) -> None:
         """Close a connection whose first request head did not arrive within ``header_timeout``."""
-        if handler not in self._pending:
+        if self._pending.pop(handler, None) is None:
             return
-        self._pending.discard(handler)
         if handler.transport is None:  # it closed by itself meanwhile
             return
         self.expired_connections += 1
@@ -199,7 +201,9 @@ class HttpServer:
         await listener.wait_closed()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        self._pending.discard(request.protocol)
+        timer = self._pending.pop(request.protocol, None)
+        if timer is not None:
+            timer.cancel()
         v = request.version
         scope: dict[str, Any] = {
             "type": "http",
