@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="use the development key //NAME instead of a wallet (local testing only)")
     p.add_argument("--axon.ip", dest="axon_ip", default="127.0.0.1", help="address to bind")
     p.add_argument("--axon.port", dest="axon_port", type=int, default=8091, help="port to bind (0: any free port)")
-    p.add_argument("--slots", type=int, default=4, help="concurrent requests served; more are refused with 429")
+    p.add_argument("--slots", type=int, default=4,
+                   help="concurrent requests served to each validator; more are refused with 429")
     p.add_argument("--runtime.url", dest="runtime_url", default=None,
                    help="OpenAI-compatible runtime to relay to (vLLM, SGLang, llama-server), e.g. http://127.0.0.1:8001")
     p.add_argument("--runtime.model", dest="runtime_model", default=None,
