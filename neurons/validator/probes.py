@@ -91,18 +91,19 @@ class ProbeRunner:
 
     def check_capacity(self) -> int:
         """Fill every miner's free declared slots but one with probes, all started now; returns how many."""
-        leases: list[Lease] = []
+        sent = 0
         for m in self._router.miners():
             for _ in range(max(1 if m.in_flight == 0 else 0, m.slots - m.in_flight - 1)):
+                payload = self._prompts.payload(self._model)  # before the lease: nothing can leak it
+                payload["max_tokens"] = CAPACITY_TOKENS
                 lease = self._router.acquire_uid(m.uid)
-                if lease is not None:
-                    leases.append(lease)
-        for lease in leases:
-            payload = self._prompts.payload(self._model)
-            payload["max_tokens"] = CAPACITY_TOKENS
-            self._spawn(self._with_lease(lease, payload, capacity_check=True), f"capacity-{lease.miner.uid}")
-        self.capacity_streams += len(leases)
-        return len(leases)
+                if lease is None:
+                    continue
+                # tasks start at the loop's next turn, all together: no await between these spawns
+                self._spawn(self._with_lease(lease, payload, capacity_check=True), f"capacity-{m.uid}")
+                sent += 1
+        self.capacity_streams += sent
+        return sent
 
     def _spawn(self, coro: Any, name: str) -> None:
         t = asyncio.create_task(coro, name=name)
