@@ -21,16 +21,9 @@ M = ToyModel()
 def _answer(messages: list[dict], *, temperature: float, top_p: float = 1.0, max_tokens: int = 48,
             rng: random.Random, cheat: str = "") -> Answer:
     key = M.key(messages)
-    end = M.natural_end(key, max_tokens)
     sampling = SamplingParams(temperature=temperature, top_p=top_p)
-    ids: list[int] = []
-    finish = "length"
-    for pos in range(max_tokens):
-        t = M.next_token(key, pos, end, sampling, rng)
-        if t == M.eot:
-            finish = "stop"
-            break
-        ids.append(t)
+    ids, ended = M.generate(key, max_tokens, sampling, rng)
+    finish = "stop" if ended else "length"
     if cheat == "random":
         ids = [rng.randrange(M.n) + (M.n if i == 0 else 0) for i in range(len(ids))]
     elif cheat == "stop-early":

@@ -19,10 +19,9 @@ Honest cards pass; random words, a different prompt, two tokens and "stop", or n
 
 Example::
 
-    m = ToyModel()
-    key = m.key(messages)
-    m.generate(key, max_tokens=64, sampling=SamplingParams(temperature=0.0), rng=random.Random(0))
-    m.rows(key, n=12, max_tokens=64)     # (13, vocab_size) float32: the forced rows
+    key = MODEL.key(messages)
+    ids, ended = MODEL.generate(key, 64, SamplingParams(temperature=0.0), random.Random(0))
+    MODEL.rows(key, n=len(ids), max_tokens=64)   # (len + 1, vocab_size) float32: the forced rows
 """
 
 from __future__ import annotations
@@ -128,6 +127,18 @@ class ToyModel:
             r -= w
         return self._member(weights[-1][1], fav, pos, rng)
 
+    def generate(self, key: int, max_tokens: int, sampling: SamplingParams, rng: random.Random, *,
+                 total: int | None = None, share: float = STOP_SHARE) -> tuple[list[int], bool]:
+        """The answer's ids (at most ``total``, default ``max_tokens``) and whether the model ended it."""
+        end = self.natural_end(key, max_tokens, share)
+        out: list[int] = []
+        for pos in range(max_tokens if total is None else total):
+            t = self.next_token(key, pos, end, sampling, rng)
+            if t == self.eot:
+                return out or [self.favourite(key, 0)], True  # never an empty answer
+            out.append(t)
+        return out, False
+
     def _member(self, tag: str, fav: int, pos: int, rng: random.Random) -> int:
         if tag == "fav":
             return fav
@@ -152,3 +163,6 @@ class ToyModel:
             out[pos, self.favourite(key, pos)] = FAVOURITE
             out[pos, self.eot] = EOT_HERE if pos == end else EOT_ELSEWHERE
         return out
+
+
+MODEL = ToyModel()  # stateless: the one instance simulated cards, the soak's cheaters and the reference share

@@ -35,12 +35,10 @@ import aiohttp
 
 from neurons.model.engine import EngineThread, LlamaEngine
 from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
-from neurons.model.toy import ToyModel
+from neurons.model.toy import MODEL as TOY
 from neurons.reference.protocol import AUDIT_PATH, KEY_ENV, encode_request, verdict_from_json
 from scoring.audit import AuditBands, Verdict, check_ids, force, judge
 from scoring.measurement import Answer
-
-TOY = ToyModel()
 
 
 class Reference(Protocol):

@@ -36,11 +36,10 @@ from gateway.protocol.openai import SLOTS_HEADER
 from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from neurons.miner.runtimes.base import RuntimeFailure, RuntimeHealth
-from neurons.model.toy import ToyModel
+from neurons.model.toy import MODEL as TOY
 
 from .load import CardRuntime
 
-TOY = ToyModel()
 CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer")
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
 HANG_S = 3600.0  # "until the client gives up": the validator's first-token deadline ends it long before
@@ -101,17 +100,8 @@ def _instant_answer(payload: dict[str, Any]) -> bytes:
     f = ChunkFramer("chatcmpl-self", int(time.time()), str(payload.get("model", "m")))
     n = payload.get("max_tokens")
     n = n if isinstance(n, int) and n > 0 else 16
-    key = TOY.key(payload.get("messages"))
-    end = TOY.natural_end(key, n)
-    greedy = SamplingParams(temperature=0.0)
-    ids: list[int] = []
-    finish = "length"
-    for pos in range(n):
-        t = TOY.next_token(key, pos, end, greedy, random.Random(0))
-        if t == TOY.eot:
-            finish = "stop"
-            break
-        ids.append(t)
+    ids, ended = TOY.generate(TOY.key(payload.get("messages")), n, SamplingParams(temperature=0.0), random.Random(0))
+    finish = "stop" if ended else "length"
     parts = [frame(f.chunk({"role": "assistant"}, None))]
     parts += [f.tokens(TOY.piece(t).decode(), [t]) for t in ids]
     parts += [frame(f.chunk({}, finish)), DONE_FRAME]

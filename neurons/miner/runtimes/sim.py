@@ -44,10 +44,9 @@ from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from gateway.protocol.tokens import estimate_prompt_tokens
 
-from ...model.toy import STOP_SHARE, ToyModel
+from ...model.toy import MODEL, STOP_SHARE
 from .base import RuntimeFailure, RuntimeHealth
 
-MODEL = ToyModel()  # what every simulated card runs (neurons.model.toy): its answers can be audited
 
 @dataclass(frozen=True, slots=True)
 class CardProfile:
@@ -187,19 +186,6 @@ class SimulatedRuntime:
             return b"".join(frames.content(piece) for piece in cut if piece)
         return frames.tokens(text, [token])
 
-    def _answer(self, payload: dict[str, Any], total: int, max_tokens: int) -> tuple[list[int], bool]:
-        """The toy model's tokens (at most ``total``) for this prompt, and whether the model ended the answer."""
-        key = MODEL.key(payload.get("messages"))
-        end = MODEL.natural_end(key, max_tokens, share=self.profile.stop_rate)
-        sampling = SamplingParams.of(payload)
-        out: list[int] = []
-        for pos in range(total):
-            t = MODEL.next_token(key, pos, end, sampling, self._rng)
-            if t == MODEL.eot:
-                return out or [MODEL.favourite(key, 0)], True
-            out.append(t)
-        return out, False
-
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
         p = self.profile
@@ -216,7 +202,8 @@ class SimulatedRuntime:
         if p.random_words:
             tokens, ended = [rng.randrange(MODEL.n) + (MODEL.n if i == 0 else 0) for i in range(total)], False
         else:
-            tokens, ended = self._answer(payload, total, max_tokens)
+            tokens, ended = MODEL.generate(MODEL.key(payload.get("messages")), max_tokens, SamplingParams.of(payload),
+                                           rng, total=total, share=p.stop_rate)
         finish = "stop" if ended else "length"
         if 0 < p.stop_after_tokens < len(tokens):
             tokens, finish = tokens[: p.stop_after_tokens], "stop"
