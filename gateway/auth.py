@@ -107,15 +107,6 @@ def load_keys(
     return policies
 
 
-def load_key_hashes(
-    keys_file: str | Path | None = None,
-    keys: Iterable[str] | None = None,
-    env: Mapping[str, str] | None = None,
-) -> frozenset[str]:
-    """Hashes of every key (see :func:`load_keys`)."""
-    return frozenset(load_keys(keys_file, keys, env))
-
-
 def bearer_token(authorization: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, or None."""
     if not authorization:
@@ -129,12 +120,11 @@ def bearer_token(authorization: str | None) -> str | None:
 class ApiKeyAuth:
     """Checks bearer tokens against stored hashes in constant time (per stored hash).
 
-    ``keys``: ``{hash: policy}`` (:func:`load_keys`), or bare hashes (unlimited keys).
+    ``keys``: ``{hash: policy}``, as :func:`load_keys` returns them.
     """
 
-    def __init__(self, keys: Mapping[str, KeyPolicy] | Iterable[str]) -> None:
-        policies = keys if isinstance(keys, Mapping) else {h: KeyPolicy(f"key-{h[:8]}") for h in keys}
-        self._keys = tuple(sorted((h.lower(), p) for h, p in policies.items()))
+    def __init__(self, keys: Mapping[str, KeyPolicy]) -> None:
+        self._keys = tuple(sorted((h.lower(), p) for h, p in keys.items()))
 
     def __len__(self) -> int:
         return len(self._keys)

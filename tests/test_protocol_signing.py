@@ -7,22 +7,23 @@ import threading
 import bittensor as bt
 import pytest
 
-from gateway.auth import ApiKeyAuth, bearer_token, hash_key, load_key_hashes
+from gateway.auth import ApiKeyAuth, bearer_token, hash_key, load_keys
 from gateway.protocol.signing import RequestSigner
 
 
 def test_api_keys_from_file_list_and_env(tmp_path):
     f = tmp_path / "keys.txt"
     f.write_text("# operators\nsk-file-1\n\n  sk-file-2   # trailing comment\n#sk-disabled\n")
-    hashes = load_key_hashes(keys_file=f, keys=["sk-list"], env={"TENSORGATE_API_KEYS": "sk-env-1, sk-env-2,"})
+    policies = load_keys(keys_file=f, keys=["sk-list"], env={"TENSORGATE_API_KEYS": "sk-env-1, sk-env-2,"})
+    hashes = set(policies)
     assert hashes == {hash_key(k) for k in ("sk-file-1", "sk-file-2", "sk-list", "sk-env-1", "sk-env-2")}
     assert not any("sk-" in h for h in hashes)  # only hashes are kept
-    auth = ApiKeyAuth(hashes)
+    auth = ApiKeyAuth(policies)
     assert auth.check("Bearer sk-file-2") and auth.check("bearer sk-env-1")
     for bad in (None, "", "Bearer", "Bearer sk-disabled", "sk-list", "Basic sk-list", "Bearer sk-list-2"):
         assert not auth.check(bad)
     assert bearer_token("Bearer  abc ") == "abc"
-    assert not ApiKeyAuth(frozenset()).check("Bearer anything")
+    assert not ApiKeyAuth({}).check("Bearer anything")
 
 
 def test_signer_nonces_strictly_increase_across_threads(alice):
