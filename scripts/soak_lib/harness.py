@@ -242,28 +242,24 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         probes = ProbeRunner(router, upstream.probe, probe_prompts, MODEL, random.Random(rng.random()))
         alive = {m.label: True for m in miners}
 
-        async def organic() -> None:
-            body = prompts.payload(MODEL)
+        async def post(body: dict[str, Any], label: str = "") -> None:
+            """One client request through the gateway, its outcome counted as ``label`` + status."""
             try:
                 async with client.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                                        timeout=aiohttp.ClientTimeout(total=max(30.0, 600.0 / scale))) as resp:
                     await resp.read()
-                    result.client[str(resp.status)] += 1
+                    result.client[f"{label}{resp.status}"] += 1
             except (TimeoutError, aiohttp.ClientError) as e:
-                result.client[type(e).__name__] += 1
+                result.client[f"{label}{type(e).__name__}"] += 1
+
+        async def organic() -> None:
+            await post(prompts.payload(MODEL))
 
         async def self_dealt() -> None:
             """A key holder's own long prompt, for its own miner to answer at once when routed there."""
             text = SELF_MARK + " " + "please read this carefully " * traffic_rng.randint(400, 700)
-            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
-                    "temperature": 0, "stream": True}
-            try:
-                async with client.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                                       timeout=aiohttp.ClientTimeout(total=max(30.0, 600.0 / scale))) as resp:
-                    await resp.read()
-                    result.client[f"self:{resp.status}"] += 1
-            except (TimeoutError, aiohttp.ClientError) as e:
-                result.client[f"self:{type(e).__name__}"] += 1
+            await post({"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
+                        "temperature": 0, "stream": True}, "self:")
 
         async def self_dealing_round(round_real: float) -> None:
             loop = asyncio.get_running_loop()
