@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import secrets
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from .http.client import MinerClient
 from .metering import AnswerBudget, MeterFailure, StreamMeter
 from .protocol.errors import CLIENT_FAULT_CODES
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens
-from .protocol.sampling import SamplingParams
+from .protocol.sampling import SamplingParams, is_seed, wire_seed
 from .protocol.signing import RequestSigner
 from .protocol.sse import ChunkInfo
 from .protocol.tokens import estimate_prompt_tokens
@@ -78,6 +79,9 @@ class UpstreamLimits:
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # for payloads that name no max_tokens
     keep_answers: bool = False  # keep each complete answer (text, token ids) on its measurement, for audits
     max_held_chars: int = 64_000_000  # answer text held at once across streams (metering.AnswerBudget)
+    # Send each request the subnet sampler's seed (gateway.protocol.sampling): sampled answers are then
+    # audited token by token. False: free draws, audited by plausibility only (for miners on stock runtimes).
+    seeded_sampling: bool = True
 
 
 REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
@@ -160,6 +164,7 @@ class Upstream:
         # the wiring connects it to ``Router.learn_slots`` so least-in-flight compares in_flight / slots.
         self.on_slots: Callable[[MinerState, int], None] | None = None
         self.answers = AnswerBudget(self.limits.max_held_chars)
+        self.seed_key = secrets.randbits(64)  # keys clients' own seeds (sampling.wire_seed); never leaves here
         self._draining: set[asyncio.Task[bytes]] = set()
 
     async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,
@@ -265,7 +270,12 @@ class UpstreamStream:
         self._tmo = timeouts
         limits = upstream.limits
         self.max_tokens = requested_max_tokens(payload, limits.default_max_tokens)
-        body = miner_body(payload, self.max_tokens)
+        seed = None
+        if limits.seeded_sampling:
+            client_seed = payload.get("seed")
+            seed = wire_seed(client_seed if is_seed(client_seed) else None, upstream.seed_key, secrets.randbits(64))
+        body = miner_body(payload, self.max_tokens, seed)
+        self.sampling = SamplingParams.of(body)  # what the miner was asked for, the wire seed included
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))
         self._body = encode_body(body)
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,
@@ -367,7 +377,7 @@ class UpstreamStream:
         stop = payload.get("stop")
         return Answer(
             messages=payload.get("messages") or [],
-            sampling=SamplingParams.of(payload),
+            sampling=self.sampling,
             max_tokens=self.max_tokens,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             text="".join(meter.text),

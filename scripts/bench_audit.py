@@ -15,7 +15,13 @@ Printed:
   sampled: |z| per answer);
 * the detection rate of each cheating miner of :mod:`neurons.miner.runtimes.cheats` over
   ``--per-cheat`` answers (target 100 %), by greedy and sampled requests, and the chance such a miner
-  is quarantined within 10 audits (2 strikes), computed from its measured per-answer rate.
+  is quarantined within 10 audits (2 strikes), computed from its measured per-answer rate. A cheat's
+  answer that is, token for token, the honest miner's answer to the same request and seed (a prompt
+  cut the model ignores, say) is counted apart as an "honest twin": it is the work the subnet pays
+  for, and no audit can or should fail it.
+
+Requests carry the subnet sampler's seed, as the gateway sends them; ``--free-sampling`` drops it
+(sampled answers then judged by plausibility, as under ``--gateway.free-sampling``).
 
 Requests come from the ``cpu`` prompt mix (probes' shapes; a quarter greedy, the rest temperature
 0.2-1.2), seeded.
@@ -49,7 +55,7 @@ def check(name: str, ok: bool, figure: str) -> bool:
     print(f"  {verdict(ok)}  {name}: {figure}")
     return ok
 
-from gateway.protocol.sampling import SamplingParams  # noqa: E402
+from gateway.protocol.sampling import SamplingParams, wire_seed  # noqa: E402
 from neurons.miner.runtimes.cheats import CHEATS  # noqa: E402
 from neurons.miner.runtimes.llama import Generate, answer_once  # noqa: E402
 from neurons.model.engine import EngineThread, LlamaEngine  # noqa: E402
@@ -69,6 +75,7 @@ class Case:
     gen_s: float
     verdict: Verdict | None = None
     verify_s: float = 0.0
+    honest_twin: bool = False  # a cheat's answer token for token what an honest miner sends (seeded or greedy)
 
 
 def _generate(engine: LlamaEngine, payload: dict[str, Any], rng: random.Random, kind: str,
@@ -99,8 +106,15 @@ async def run(args: argparse.Namespace) -> int:
     async def produce() -> None:
         for kind, fn in plan:
             payload = prompts.payload("gemma")
-            answer, gen_s = await miner.run(_generate, payload, random.Random(rng.random()), kind, fn)
-            await queue.put(Case(kind, answer, gen_s))
+            if not args.free_sampling:  # as the gateway sends every request: the subnet sampler's seed
+                payload["seed"] = wire_seed(None, 0, rng.getrandbits(64))
+            draw = rng.random()
+            answer, gen_s = await miner.run(_generate, payload, random.Random(draw), kind, fn)
+            twin = False
+            if fn is not None and (answer.sampling.greedy or answer.sampling.seeded):
+                honest, _ = await miner.run(_generate, payload, random.Random(draw), "honest", None)
+                twin = (honest.token_ids, honest.finish_reason) == (answer.token_ids, answer.finish_reason)
+            await queue.put(Case(kind, answer, gen_s, honest_twin=twin))
         await queue.put(None)
 
     async def verify() -> None:
@@ -157,7 +171,8 @@ def report(cases: list[Case], wall: float, args: argparse.Namespace) -> int:
 
     rows = []
     for name in CHEATS:
-        mine = [c for c in cases if c.kind == name and c.verdict is not None]
+        twins = sum(c.honest_twin for c in cases if c.kind == name)
+        mine = [c for c in cases if c.kind == name and c.verdict is not None and not c.honest_twin]
         caught = [c for c in mine if c.verdict is not None and not c.verdict.passed]
         why = Counter(str(c.verdict.failure) for c in caught if c.verdict is not None)
         rate = len(caught) / len(mine) if mine else float("nan")
@@ -166,14 +181,17 @@ def report(cases: list[Case], wall: float, args: argparse.Namespace) -> int:
             part = [c for c in mine if c.answer.sampling.greedy == greedy]
             hit = [c for c in part if c.verdict is not None and not c.verdict.passed]
             by_mode.append(f"{len(hit)}/{len(part)}")
-        rows.append([name, len(mine), f"{rate:.0%}", *by_mode, f"{_quarantined_within(rate, 10):.1%}",
+        rows.append([name, len(mine), twins, f"{rate:.0%}", *by_mode, f"{_quarantined_within(rate, 10):.1%}",
                      ", ".join(f"{k} {v}" for k, v in why.most_common()) or "-"])
         if name in STRICT:
             ok &= check(f"cheater '{name}' detected on every answer", rate == 1.0, f"{rate:.0%}")
     print()
-    print(table(["cheater", "answers", "detected", "greedy", "sampled", "quarantined in 10 audits", "why"], rows))
-    print("\n(greedy: detectable only where the asked temperature makes greedy decoding a different "
-          "distribution; it is reported, not gated)")
+    print(table(["cheater", "answers", "honest twins", "detected", "greedy", "sampled", "quarantined in 10 audits",
+                 "why"], rows))
+    print("\n(honest twins: answers identical, token for token and in their end, to the honest miner's for the same "
+          "request and seed; they are the work paid for and are left out of the rates. greedy: reported, not "
+          "gated; with free sampling it is detectable only where the asked temperature makes greedy decoding a "
+          "different distribution)")
     return 0 if ok else 1
 
 
@@ -194,6 +212,8 @@ def main() -> int:
     p.add_argument("--per-cheat", type=int, default=40, help="answers per cheating miner")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--smoke", action="store_true", help="20 honest answers, 6 per cheat")
+    p.add_argument("--free-sampling", action="store_true",
+                   help="no sampler seed (as --gateway.free-sampling): sampled answers judged by plausibility")
     args = p.parse_args()
     if args.smoke:
         args.honest, args.per_cheat = 20, 6

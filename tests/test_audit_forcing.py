@@ -7,7 +7,16 @@ import math
 import numpy as np
 import pytest
 
-from gateway.protocol.sampling import SamplingParams, asked_logprobs, log_softmax
+from gateway.protocol.sampling import (
+    SEED_MAX,
+    SamplingParams,
+    asked_logprobs,
+    gumbel,
+    is_seed,
+    log_softmax,
+    seeded_token,
+    wire_seed,
+)
 from scoring.audit.forcing import force
 
 
@@ -89,3 +98,94 @@ def test_force_rejects_mismatched_shapes_and_ids() -> None:
         force(rows, [1, 2], SamplingParams(), stop_ids=(0,))
     with pytest.raises(ValueError):
         force(rows, [1, 2, 999], SamplingParams(), stop_ids=(0,))
+
+
+# -- the subnet's sampler (seeded Gumbel-max) and its audit ----------------------------------------
+
+
+def test_seed_is_read_only_when_it_is_a_valid_one() -> None:
+    assert SamplingParams.of({"seed": 5, "temperature": 0.5}).seeded
+    assert not SamplingParams.of({"seed": 5, "temperature": 0}).seeded  # greedy needs no seed
+    for bad in (True, -1, 1 << 63, 1.5, "5"):
+        assert SamplingParams.of({"seed": bad}).seed is None, bad
+    assert SamplingParams.of({"seed": SEED_MAX}).seed == SEED_MAX
+
+
+def test_gumbel_is_a_fixed_function_of_seed_position_and_id() -> None:
+    g = gumbel(42, 3, 1000)
+    assert np.array_equal(g, gumbel(42, 3, 1000)) and np.array_equal(g[:10], gumbel(42, 3, 10))
+    assert not np.array_equal(g, gumbel(43, 3, 1000)) and not np.array_equal(g, gumbel(42, 4, 1000))
+    # the spec, written out for one token in plain integers: a runtime must reproduce exactly this
+    mask = (1 << 64) - 1
+
+    def mix(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+
+    h = mix((mix(42 ^ mix(3)) + 7 * 0x9E3779B97F4A7C15) & mask)
+    u = ((h >> 11) + 0.5) / 2.0**53
+    assert g[7] == -math.log(-math.log(u))
+    big = gumbel(7, 0, 200_000)  # standard Gumbel: mean 0.5772, sd pi/sqrt(6) = 1.2825
+    assert abs(float(big.mean()) - 0.5772) < 0.01 and abs(float(big.std()) - 1.2825) < 0.01
+
+
+def test_seeded_draws_follow_the_asked_distribution() -> None:
+    """Over fresh seeds the subnet sampler is a draw from temperature-then-nucleus: frequencies within 4 sd."""
+    logits = np.log(np.array([0.4, 0.3, 0.15, 0.1, 0.05]))
+    for temp, top_p in ((1.0, 1.0), (0.6, 1.0), (1.0, 0.8)):
+        p = np.exp(asked_logprobs(logits, temp, top_p)[0])
+        n = 8000
+        counts = np.bincount([seeded_token(logits, SamplingParams(temp, top_p, seed=s), 0) for s in range(n)],
+                             minlength=5)
+        sd = np.sqrt(n * p * (1 - p))
+        assert (np.abs(counts - n * p) <= 4 * sd + 1e-9).all(), (temp, top_p, counts, n * p)
+    assert seeded_token(logits, SamplingParams(0.0, seed=3), 0) == 0  # greedy stays the argmax
+
+
+def test_wire_seed_keys_clients_seeds_and_passes_fresh_ones() -> None:
+    assert wire_seed(None, 99, 1 << 70 | 5) == (1 << 70 | 5) & SEED_MAX
+    a, b = wire_seed(7, 99, 1), wire_seed(7, 99, 2)
+    assert a == b != 7 and is_seed(a)  # the client's seed, keyed: repeatable, yet not the client's number
+    assert wire_seed(7, 100, 1) != a and wire_seed(8, 99, 1) != a
+
+
+def _seeded_answer(rows: np.ndarray, sampling: SamplingParams) -> np.ndarray:
+    return np.array([seeded_token(rows[j], sampling, j) for j in range(rows.shape[0] - 1)])
+
+
+def test_seeded_gap_is_zero_for_the_seeded_answer_and_large_for_others() -> None:
+    rows = _rows(40, vocab=300, seed=4)
+    for top_p in (1.0, 0.7):
+        sampling = SamplingParams(temperature=0.9, top_p=top_p, seed=123)
+        honest = _seeded_answer(rows, sampling)
+        s = force(rows, honest, sampling, stop_ids=(0,))
+        assert np.allclose(s.gap, 0.0) and (s.logp == 0).all()  # determined: no plausibility moments
+        other = _seeded_answer(rows, SamplingParams(temperature=0.9, top_p=top_p, seed=124))  # another seed
+        s2 = force(rows, other, sampling, stop_ids=(0,))
+        differ = other != honest
+        assert differ.sum() >= 20 and (s2.gap[~differ] == 0).all()
+        assert float(np.median(s2.gap[differ])) > 0.5  # the bands' greedy_gap
+
+
+def test_seeded_gap_tolerates_logit_noise_near_the_nucleus_edge() -> None:
+    """The miner's numerics differ a little: a token chosen inside its nucleus is not outside the reference's."""
+    rng = np.random.default_rng(9)
+    rows = _rows(60, vocab=120, seed=6)
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=77)
+    noisy = (rows + rng.normal(0.0, 0.02, size=rows.shape)).astype(np.float32)
+    s = force(rows, _seeded_answer(noisy, sampling), sampling, stop_ids=(0,))
+    assert np.isfinite(s.gap).all() and float(s.gap.max()) < 0.5
+
+
+def test_seeded_stop_gap_says_whether_the_end_of_turn_won() -> None:
+    rows = _rows(3, vocab=50, seed=2)
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    g = gumbel(5, 3, 50)
+    rows[3] = -10.0
+    rows[3, 0] = 10.0 - g[0]  # the stop token's score wins by far at the end row
+    ids = _seeded_answer(rows, sampling)
+    assert force(rows, ids, sampling, stop_ids=(0,)).stop_gap == 0.0
+    rows[3, 0] = -20.0  # now it loses by far: a stop here was not the sampler's
+    assert force(rows, ids, sampling, stop_ids=(0,)).stop_gap > 5.0

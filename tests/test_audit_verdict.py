@@ -202,3 +202,17 @@ def test_logit_noise_widens_the_band_at_low_temperature_only() -> None:
     hot = dataclasses.replace(cold, sampling=SamplingParams(temperature=1.0))
     far = dataclasses.replace(s, logp=np.full(n, -2.5), var=np.full(n, 1.0))  # z = -60/sqrt(40.9): not noise
     assert judge(hot, checked(hot), far, AuditBands(logit_noise=0.15)).failure == AuditFailure.IMPLAUSIBLE
+
+
+def test_seeded_sampled_answers_are_judged_token_by_token_like_greedy_ones() -> None:
+    """With the subnet's seed a sampled answer is determined: the gap rules apply, the z-score does not."""
+    b = AuditBands()
+    seeded = dataclasses.replace(answer(temperature=0.8), sampling=SamplingParams(temperature=0.8, seed=11))
+    c = checked(seeded)
+    ok = judge(seeded, c, scores(3, z_shift=-9.0), b)  # an implausible z would fail a free draw, not a determined one
+    assert ok.passed and ok.z is None and ok.tokens == 3
+    assert judge(seeded, c, scores(3, gap=b.greedy_gap + 0.1), b).failure == AuditFailure.WRONG_TOKENS
+    assert judge(seeded, c, scores(3, stop_gap=b.greedy_gap + 0.1), b).failure == AuditFailure.EARLY_STOP
+    assert judge(seeded, c, scores(3, stop_gap=0.1, stop_logp=-15.0), b).passed  # the sampler did pick the end
+    free = answer(temperature=0.8)
+    assert judge(free, checked(free), scores(3, z_shift=-9.0), b).failure == AuditFailure.IMPLAUSIBLE

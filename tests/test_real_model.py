@@ -6,8 +6,9 @@ machine that cannot build llama.cpp.
 
 Greedy requests are used where a verdict must be certain: the reference replays them exactly
 (same model, same runtime), so an honest greedy answer passes with every token the argmax and a
-cheat's first deviation is a failure. Sampled requests are checked for what a z-score can tell on
-a handful of answers (random and hotter tokens).
+cheat's first deviation is a failure. Sampled requests with the subnet sampler's seed (as the
+gateway sends them) are determined too and checked the same way; free draws (no seed) are checked
+for what a z-score can tell on a handful of answers (random and hotter tokens).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def reference() -> LlamaEngine:
 
 
 def _answer(engine: LlamaEngine, messages: list[dict[str, Any]], *, temperature: float, max_tokens: int = 24,
-            seed: int = 0, cheat: str | None = None) -> Answer:
-    sampling = SamplingParams(temperature=temperature)
+            seed: int = 0, cheat: str | None = None, sampler_seed: int | None = None, top_p: float = 1.0) -> Answer:
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=sampler_seed)
     text, ids, finish = answer_once(engine, messages, max_tokens, sampling, random.Random(seed),
                                     CHEATS[cheat] if cheat else None)
     return Answer(messages=messages, sampling=sampling, max_tokens=max_tokens, stop=(), text=text,
@@ -113,6 +114,30 @@ def test_sampled_cheats_fail_on_their_z_score(engine: LlamaEngine, reference: Ll
         assert not v.passed and v.failure == AuditFailure.IMPLAUSIBLE, (cheat, v)
 
 
+def test_honest_seeded_answers_pass_token_by_token(engine: LlamaEngine, reference: LlamaEngine) -> None:
+    gen = PromptGenerator(random.Random(5), MIXES["cpu"])
+    for i, (temperature, top_p) in enumerate([(0.9, 1.0), (0.5, 1.0), (1.1, 0.9), (0.7, 0.95)]):
+        payload = gen.payload("m")
+        a = _answer(engine, payload["messages"], temperature=temperature, top_p=top_p, sampler_seed=1000 + i,
+                    max_tokens=min(32, payload["max_tokens"]))
+        v = _verdict(reference, a)
+        assert v.passed and v.z is None, (v, a.text)
+        assert v.tokens == len(a.token_ids or ()) > 0 and v.miss_share == 0.0
+
+
+@pytest.mark.parametrize("cheat", ["random", "stop-early", "cached", "hot", "truncated", "greedy"])
+def test_every_cheat_fails_its_seeded_sampled_audits(engine: LlamaEngine, reference: LlamaEngine,
+                                                     cheat: str) -> None:
+    """The sampler's seed makes a sampled answer checkable token by token: no cheat passes, not even
+    greedy decoding where sampling was asked (which a plausibility test cannot see)."""
+    for i, messages in enumerate(PROMPTS):
+        a = _answer(engine, messages, temperature=0.8, max_tokens=32, seed=i, cheat=cheat, sampler_seed=20 + i)
+        honest = _answer(engine, messages, temperature=0.8, max_tokens=32, sampler_seed=20 + i)
+        assert a.token_ids != honest.token_ids or a.finish_reason != honest.finish_reason  # not the honest answer
+        v = _verdict(reference, a)
+        assert not v.passed and v.failure in (AuditFailure.WRONG_TOKENS, AuditFailure.EARLY_STOP), (cheat, v)
+
+
 def test_ids_that_do_not_spell_the_text_fail(engine: LlamaEngine, reference: LlamaEngine) -> None:
     a = _answer(engine, PROMPTS[0], temperature=0.0)
     import dataclasses
@@ -141,6 +166,15 @@ async def test_runtime_streams_token_ids_and_refuses_what_does_not_fit(engine: L
             async for _ in rt.stream({"messages": PROMPTS[0], "max_tokens": 400}):
                 pass
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+        # the subnet's sampler: the same seed gives the same answer, another seed another one
+        texts = []
+        for seed in (5, 5, 6):
+            m = StreamMeter(max_tokens=12, started_at=0.0, keep_answer=True)
+            async for frames in rt.stream({"messages": PROMPTS[2], "max_tokens": 12, "temperature": 1.0,
+                                           "seed": seed}):
+                m.feed(frames, now=1.0)
+            texts.append("".join(m.text))
+        assert texts[0] == texts[1] != texts[2]
         # a consumer that leaves mid-answer frees the slot for the next request
         gen = rt.stream({"messages": PROMPTS[2], "max_tokens": 64})
         await anext(gen)

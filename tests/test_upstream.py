@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 from bittensor.sp_core import Keypair
 
 from gateway.http.client import MinerClient
+from gateway.protocol.sampling import is_seed
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
 from gateway.upstream import Upstream, UpstreamTimeouts
@@ -235,8 +237,35 @@ async def test_probe_and_organic_bodies_look_alike(make_miner, make_gateway):
     finally:
         h.router.release(lease)
     assert [list(b) for b in m.bodies] == [list(m.bodies[0])] * 2
+    seeds = [b.pop("seed") for b in m.bodies]  # every body carries a fresh sampler seed
+    assert all(is_seed(s) for s in seeds) and seeds[0] != seeds[1]
     assert m.bodies[0] == m.bodies[1]
     assert [x.probe for x in h.measurements()] == [False, True]
+
+
+async def test_client_seed_is_keyed_not_forwarded(make_miner, make_gateway):
+    """A client's seed reaches the miner keyed by the validator's secret (so it cannot mark organic
+    traffic), the same client seed gives the same wire seed, and the answer is audited with the wire seed."""
+    m = await make_miner(Script("ok", tokens=2))
+    h = await make_gateway([m])
+    h.upstream.limits = dataclasses.replace(h.upstream.limits, keep_answers=True)
+    for seed in (7, 7, 8, None):
+        extra = {} if seed is None else {"seed": seed}
+        async with h.chat(body(stream=False, max_tokens=2, temperature=0.5, **extra)) as r:
+            assert r.status == 200
+    sent = [b["seed"] for b in m.bodies]
+    assert sent[0] == sent[1] and len(set(sent)) == 3 and 7 not in sent and 8 not in sent
+    assert [x.answer.sampling.seed for x in h.measurements() if x.answer is not None] == sent
+
+
+async def test_free_sampling_forwards_the_clients_seed_only(make_miner, make_gateway):
+    m = await make_miner(Script("ok", tokens=2))
+    h = await make_gateway([m])
+    h.upstream.limits = dataclasses.replace(h.upstream.limits, seeded_sampling=False)
+    for extra in ({"seed": 7}, {}):
+        async with h.chat(body(stream=False, max_tokens=2, temperature=0.5, **extra)) as r:
+            assert r.status == 200
+    assert [b.get("seed") for b in m.bodies] == [7, None]
 
 
 async def test_decode_concurrency_counts_requests_that_join_mid_stream(make_sim_miner, make_gateway):

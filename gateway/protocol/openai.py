@@ -65,9 +65,11 @@ _SAMPLING = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "s
 _FORCED = ("max_tokens", "max_completion_tokens", "stream", "stream_options", "return_token_ids")
 
 
-def miner_body(payload: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+def miner_body(payload: dict[str, Any], max_tokens: int, seed: int | None = None) -> dict[str, Any]:
     """The one miner-bound body: fixed key order, ``max_tokens`` explicit, always streamed with usage,
-    always asking for the token ids of the answer (``return_token_ids``, as vLLM names it).
+    always asking for the token ids of the answer (``return_token_ids``, as vLLM names it), and
+    carrying ``seed`` (the subnet sampler's, :func:`~gateway.protocol.sampling.wire_seed`) in place
+    of the client's when one is given.
 
     Probes and organic requests both pass through here, so nothing in a body's shape tells a miner
     which one it is serving, nor which answer will be audited: every answer names its tokens.
@@ -75,6 +77,8 @@ def miner_body(payload: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {k: payload[k] for k in _LEADING if k in payload}
     body["max_tokens"] = max_tokens
     body.update((k, payload[k]) for k in _SAMPLING if k in payload)
+    if seed is not None:
+        body["seed"] = seed
     known = {*_LEADING, *_SAMPLING, *_FORCED}
     body.update((k, payload[k]) for k in sorted(payload) if k not in known)
     body["stream"] = True

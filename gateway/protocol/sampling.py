@@ -7,10 +7,22 @@ it, so both sides import it from here. Temperature 0 is greedy decoding (the arg
 distribution to draw from. Penalties change the distribution per answer history; an answer asked
 with them is audited for structure only (see :class:`scoring.measurement.Answer`).
 
+**The subnet's sampler.** A free draw can only be judged *plausible*: on a small model an answer to
+another prompt, or at another temperature, is often plausible too (``scripts/bench_audit.py``
+measured 48-65 % per-answer detection for those on Gemma 3 270M). So every miner-bound request
+carries a ``seed`` the validator chose, and a sampled token is the Gumbel-max draw
+:func:`seeded_token`: the argmax, over the asked nucleus, of each token's log-probability plus a
+Gumbel variate hashed from ``(seed, position, token id)`` (:func:`gumbel`). Over fresh seeds that
+is exactly a draw from the asked distribution (the Gumbel-max trick), so clients get what they
+asked for; for a given seed it is one token, so an audit checks a sampled answer position by
+position like a greedy one, with the same near-tie slack. The hash is splitmix64 on unsigned
+64-bit integers, which any runtime (a vLLM logits processor, a CUDA kernel) computes bit for bit.
+
 Example::
 
-    params = SamplingParams.of({"temperature": 0.7})       # top_p 1.0, OpenAI's default
+    params = SamplingParams.of({"temperature": 0.7, "seed": 42})  # top_p 1.0, OpenAI's default
     logp = asked_logprobs(logits_rows, params.temperature, params.top_p)
+    token = seeded_token(logits_row, params, position=0)          # what every honest miner picks
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import numpy.typing as npt
 FloatArray = npt.NDArray[np.float64]
 
 GREEDY_BELOW = 1e-5  # a temperature this low is greedy decoding
+SEED_MAX = (1 << 63) - 1  # seeds are non-negative int64: every JSON stack and runtime reads them
 _NUCLEUS_SHORTCUT = 4096  # the nucleus is looked for among this many best tokens before a full sort
 
 
@@ -34,6 +47,12 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     penalised: bool = False  # presence or frequency penalty: the distribution depends on the answer so far
+    seed: int | None = None  # the subnet sampler's seed (see the module's docstring); None: a free draw
+
+    @property
+    def seeded(self) -> bool:
+        """Sampled with the subnet's sampler: each token is determined, and audited like a greedy one."""
+        return self.seed is not None and not self.greedy
 
     @property
     def greedy(self) -> bool:
@@ -47,8 +66,66 @@ class SamplingParams:
             return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else default
 
         penalised = num("presence_penalty", 0.0) != 0.0 or num("frequency_penalty", 0.0) != 0.0
+        seed = payload.get("seed")
         return cls(temperature=max(0.0, num("temperature", 1.0)), top_p=min(1.0, max(0.0, num("top_p", 1.0))),
-                   penalised=penalised)
+                   penalised=penalised, seed=seed if is_seed(seed) else None)
+
+
+def is_seed(v: Any) -> bool:
+    """A seed the subnet's sampler takes: an int (not a bool) in ``0..SEED_MAX``."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= SEED_MAX
+
+
+_U64 = (1 << 64) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finaliser, element-wise on uint64 (wrapping arithmetic, as in C)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: npt.NDArray[np.uint64] = x ^ (x >> np.uint64(31))
+    return out
+
+
+def gumbel(seed: int, position: int, vocab: int) -> FloatArray:
+    """The Gumbel variates of one position: ``-log(-log(u))``, ``u`` hashed from (seed, position, token id).
+
+    ``u = (mix64(mix64(seed ^ mix64(position)) + id * golden) >> 11 + 0.5) / 2**53``: 53 random
+    bits, never 0 or 1. The spec a miner's runtime implements, bit for bit.
+    """
+    with np.errstate(over="ignore"):
+        base = _mix64(np.uint64(seed) ^ _mix64(np.array([position], dtype=np.uint64)))
+        h = _mix64(base + np.arange(vocab, dtype=np.uint64) * _GOLDEN)
+    u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+    out: FloatArray = -np.log(-np.log(u))
+    return out
+
+
+def wire_seed(client_seed: int | None, key: int, fresh: int) -> int:
+    """The seed a miner is sent: ``fresh`` (random) for a request without one, else the client's keyed.
+
+    Keyed with the validator's secret ``key`` (so the same client seed gives the same answer, as
+    OpenAI's ``seed`` promises, yet the miner sees a number it cannot tell from a fresh one: a seed on
+    the wire no longer marks organic traffic, since every request carries one).
+    """
+    if client_seed is None:
+        return fresh & SEED_MAX
+    with np.errstate(over="ignore"):
+        mixed = _mix64(np.array([client_seed & _U64], dtype=np.uint64) ^ np.uint64(key & _U64))
+    return int(mixed[0]) & SEED_MAX
+
+
+def seeded_token(logits: npt.ArrayLike, sampling: SamplingParams, position: int) -> int:
+    """The subnet sampler's token at ``position`` (0: the answer's first): argmax of asked logprob + Gumbel."""
+    if sampling.seed is None:
+        raise ValueError("the subnet's sampler needs a seed")
+    row = np.asarray(logits, dtype=np.float64).reshape(-1)
+    if sampling.greedy:
+        return int(np.argmax(row))
+    logp = asked_logprobs(row, sampling.temperature, sampling.top_p)[0]
+    return int(np.argmax(logp + gumbel(sampling.seed, position, row.shape[0])))
 
 
 def log_softmax(rows: FloatArray) -> FloatArray:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from gateway.protocol.sampling import SamplingParams, asked_logprobs
+from gateway.protocol.sampling import SamplingParams, asked_logprobs, seeded_token
 
 from .chat_template import END_OF_TURN, render
 from .packaged import ModelUnavailable, require_runtime
@@ -96,10 +96,17 @@ class LlamaEngine:
         """Append one token to the sequence (decode step)."""
         self._llm.eval([token_id])
 
-    def choose(self, logits: npt.NDArray[np.float32], sampling: SamplingParams, rng: random.Random) -> int:
-        """The next token under the asked sampling: argmax when greedy, else one draw."""
+    def choose(self, logits: npt.NDArray[np.float32], sampling: SamplingParams, rng: random.Random,
+               position: int) -> int:
+        """The next token (``position`` in the answer) under the asked sampling.
+
+        Greedy: the argmax. Seeded (every request a validator sends): the subnet's sampler. Otherwise
+        (a client calling the miner directly, with no seed) one draw from ``rng``.
+        """
         if sampling.greedy:
             return int(np.argmax(logits))
+        if sampling.seed is not None:
+            return seeded_token(logits, sampling, position)
         logp = asked_logprobs(logits, sampling.temperature, sampling.top_p)[0]
         cum = np.cumsum(np.exp(logp))
         return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), cum.shape[0] - 1))

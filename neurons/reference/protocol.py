@@ -17,7 +17,7 @@ import json
 import math
 from typing import Any
 
-from gateway.protocol.sampling import SamplingParams
+from gateway.protocol.sampling import SEED_MAX, SamplingParams, is_seed
 from scoring.audit import AuditBands, AuditFailure, Verdict
 from scoring.measurement import Answer
 
@@ -33,6 +33,7 @@ def encode_request(answer: Answer, bands: AuditBands) -> bytes:
     return json.dumps({
         "answer": {"messages": answer.messages, "temperature": answer.sampling.temperature,
                    "top_p": answer.sampling.top_p, "penalised": answer.sampling.penalised,
+                   "seed": answer.sampling.seed,
                    "max_tokens": answer.max_tokens, "stop": list(answer.stop), "text": answer.text,
                    "token_ids": None if answer.token_ids is None else list(answer.token_ids),
                    "finish_reason": answer.finish_reason},
@@ -67,8 +68,11 @@ def decode_request(obj: Any) -> tuple[Answer, AuditBands]:
     text, finish = a.get("text"), a.get("finish_reason")
     if not isinstance(text, str) or not (finish is None or isinstance(finish, str)):
         raise BadAuditRequest("answer.text must be a string and finish_reason a string or null")
+    seed = a.get("seed")
+    if seed is not None and not is_seed(seed):
+        raise BadAuditRequest(f"answer.seed must be null or an integer in 0..{SEED_MAX}")
     sampling = SamplingParams(temperature=max(0.0, _num(a, "temperature")), top_p=min(1.0, max(0.0, _num(a, "top_p"))),
-                              penalised=bool(a.get("penalised", False)))
+                              penalised=bool(a.get("penalised", False)), seed=seed)
     answer = Answer(messages=messages, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop), text=text,
                     token_ids=None if ids is None else tuple(ids), finish_reason=finish)
     raw = obj.get("bands") or {}

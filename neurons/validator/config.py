@@ -45,6 +45,7 @@ class ValidatorConfig:
     max_retries: int = 2
     first_byte_budget_s: float = 30.0  # a client's whole wait for a first byte, retries included
     drain_s: float = 5.0  # on a stop (SIGTERM, Ctrl-C): how long streams in progress may take to finish
+    free_sampling: bool = False  # send no sampler seed: sampled answers audited by plausibility only
     max_connections: int = 2048  # client connections at once (each is a file descriptor)
     prompt_mix: str = "gpu"  # sizes of probe (and local traffic) requests: "gpu" or "cpu" (neurons.validator.prompts)
     credit_profile: str = "rtx5090"  # the card whose speed earns full credit (a name, or a calibrated JSON file)
@@ -107,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="client connections at once; more get 503 and are closed at once (file descriptors)")
     gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
                     help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
+    gw.add_argument("--gateway.free-sampling", dest="free_sampling", action="store_true",
+                    help="do not send the subnet sampler's seed: for miners on stock runtimes; sampled answers "
+                         "are then audited for plausibility only, which misses many substitutions (README)")
     sc = p.add_argument_group("scoring and weights")
     sc.add_argument("--state-dir", dest="state_dir", type=Path, default=d.state_dir, help="where state lives")
     sc.add_argument("--round.seconds", dest="round_s", type=float, default=d.round_s, help="scoring round length")

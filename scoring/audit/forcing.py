@@ -14,6 +14,12 @@ few numbers a verdict needs, per position:
   near 0 and one drawn from another distribution (another model, prompt or temperature) does not.
 * the stop row: the log-probability that the model ends its turn right after the last token.
 
+A **seeded** sampled answer (the subnet's sampler, :func:`gateway.protocol.sampling.seeded_token`)
+is determined by its seed, so ``gap`` and ``stop_gap`` are measured as for greedy ones, on each
+token's Gumbel-perturbed score instead of its logit (converted back to nats at temperature 1 by
+multiplying by the temperature, so one near-tie band serves both). Its ``logp``/``mean``/``var``
+are left at 0: a determined token needs no plausibility test.
+
 Pure numpy, rows processed in blocks so a 4k-token answer over a 262k-token vocabulary never holds
 more than a block of full-width temporaries.
 
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from gateway.protocol.sampling import FloatArray, SamplingParams, asked_logprobs, log_softmax
+from gateway.protocol.sampling import FloatArray, SamplingParams, asked_logprobs, gumbel, log_softmax
 
 _BLOCK = 16  # rows per numpy pass: 16 x 262k float32 = 17 MB of temporaries at most
 _NUCLEUS_SLACK = 0.02  # the nucleus is taken a little wider than asked: the reference's numerics differ
@@ -76,6 +82,8 @@ def force(logits: npt.ArrayLike, chosen: npt.ArrayLike, sampling: SamplingParams
     logp = np.zeros(n)
     mean = np.zeros(n)
     var = np.zeros(n)
+    if sampling.seeded:
+        return _seeded(rows, ids, sampling, stop_ids, logp)
     if not sampling.greedy and n:
         temp = sampling.temperature
         p = min(1.0, sampling.top_p + _NUCLEUS_SLACK) if sampling.top_p < 1.0 else 1.0
@@ -101,6 +109,50 @@ def force(logits: npt.ArrayLike, chosen: npt.ArrayLike, sampling: SamplingParams
     else:
         stop_gap, stop_logp = float("inf"), float("-inf")
     return ForcedScores(gap=gap, logp=logp, mean=mean, var=var, stop_gap=stop_gap, stop_logp=stop_logp)
+
+
+def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling: SamplingParams,
+            stop_ids: tuple[int, ...] | frozenset[int], zeros: FloatArray) -> ForcedScores:
+    """Gaps for a seeded answer: how far (nats at temperature 1) each token's score sits below the best.
+
+    A token's score is its scaled logit plus its Gumbel variate. With a nucleus, the reference's and
+    the miner's edges may differ by a token or two (numerics), so the chosen token must lie in a
+    nucleus a little *wider* than asked, and is compared with the best of one a little *narrower*.
+    """
+    n, vocab = int(ids.shape[0]), rows.shape[1]
+    temp, seed = sampling.temperature, sampling.seed
+    assert seed is not None
+    narrow = max(1e-6, sampling.top_p - _NUCLEUS_SLACK) if sampling.top_p < 1.0 else 1.0
+    wide = min(1.0, sampling.top_p + _NUCLEUS_SLACK) if sampling.top_p < 1.0 else 1.0
+    stops = sorted(s for s in stop_ids if 0 <= s < vocab)
+    gap = np.zeros(n)
+    stop_gap = float("inf")
+    for j in range(n + 1):
+        candidates = [int(ids[j])] if j < n else stops
+        if candidates:
+            below = _below_best(rows[j].astype(np.float64), candidates, temp, gumbel(seed, j, vocab), narrow, wide)
+            if j < n:
+                gap[j] = below
+            else:
+                stop_gap = below
+    stop_logp = float(np.logaddexp.reduce(log_softmax(rows[n:].astype(np.float64) / temp)[0][stops])) if stops \
+        else float("-inf")
+    return ForcedScores(gap=gap, logp=zeros, mean=zeros.copy(), var=zeros.copy(), stop_gap=stop_gap,
+                        stop_logp=stop_logp)
+
+
+def _below_best(row: FloatArray, tokens: list[int], temp: float, noise: FloatArray, narrow: float,
+                wide: float) -> float:
+    """Nats (temperature 1) the best of ``tokens`` scores below the narrow nucleus's best; inf: outside the wide one."""
+    score = row / temp + noise
+    if narrow >= 1.0:
+        return max(0.0, temp * (float(score.max()) - float(score[tokens].max())))
+    inside = np.isfinite(asked_logprobs(row, temp, wide)[0])
+    allowed = [t for t in tokens if inside[t]]
+    if not allowed:
+        return float("inf")  # outside even the widened nucleus
+    best = float(score[np.isfinite(asked_logprobs(row, temp, narrow)[0])].max())
+    return max(0.0, temp * (best - float(score[allowed].max())))
 
 
 def _moments(z: npt.NDArray[np.float32], ids: npt.NDArray[np.int64]) -> tuple[FloatArray, FloatArray, FloatArray]:

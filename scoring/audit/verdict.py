@@ -7,17 +7,20 @@ Pure rules, in the order they are checked:
    received. A trailing end-of-turn id is allowed and marks the stop.
 2. **The tokens** (:func:`judge`), teacher-forced on the reference:
 
-   * greedy requests (temperature 0): each token must be the reference's best or within
-     ``greedy_gap`` nats of it (batched and token-by-token numerics differ, so near-ties flip);
-     at most ``greedy_miss_share`` of the positions may miss, none by more than ``greedy_hard_gap``;
-   * sampled requests: the answer's z-score, ``sum(logp - mean) / sqrt(sum var)`` under the asked
+   * greedy requests (temperature 0), and sampled requests with the subnet's seed (every request
+     the gateway sends: :func:`gateway.protocol.sampling.seeded_token`): each token must be the
+     reference's best (by logit, or by Gumbel-perturbed score) or within ``greedy_gap`` nats of it
+     (batched and token-by-token numerics differ, so near-ties flip); at most ``greedy_miss_share``
+     of the positions may miss, none by more than ``greedy_hard_gap``;
+   * sampled requests without a seed (``--gateway.free-sampling``): the answer's z-score,
+     ``sum(logp - mean) / sqrt(sum var)`` under the asked
      distribution, must lie within ``±z_limit``, over the whole answer and over its first ``head``
      tokens alone (where the prompt weighs most, so an answer to another prompt shows most). Honest
      draws centre on 0; random or cached words, a truncated prompt or another model fall below;
      greedy-when-asked-to-sample (a cheaper setting) lands above. Tokens outside the asked nucleus count as misses too.
 3. **The end**: a ``stop`` (or any end but ``length``, a missing finish reason included) the model did
-   not choose (the reference gives the end-of-turn less than ``min_stop_prob``, or, greedy, not within
-   ``greedy_gap`` of its best) is an early stop; a ``length`` before ``max_tokens`` tokens is a false
+   not choose (the reference gives the end-of-turn less than ``min_stop_prob``, or, greedy or seeded,
+   not within ``greedy_gap`` of its best) is an early stop; a ``length`` before ``max_tokens`` tokens is a false
    length. A client's own ``stop`` strings end answers where the model would go on, so such answers
    skip this check (the runtime strips the string, and the reference cannot see it).
 
@@ -143,12 +146,12 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
         raise ValueError(f"scores cover {n} positions, the answer has {len(checked.ids)}")
     if answer.finish_reason == "length" and n < answer.max_tokens:
         return _fail(AuditFailure.FALSE_LENGTH, f"finish 'length' after {n} of {answer.max_tokens} tokens")
-    greedy = answer.sampling.greedy
+    determined = answer.sampling.greedy or answer.sampling.seeded  # one right token per position
     z: float | None = None
     z_head: float | None = None
     miss_share = 0.0
     if n and not answer.penalised:
-        if greedy:
+        if determined:
             misses = int((scores.gap > bands.greedy_gap).sum())
             miss_share = misses / n
             worst = float(scores.gap.max())
@@ -171,7 +174,7 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
                                                        "under the asked distribution", z=z, miss_share=miss_share)
     # any end but "length" (no finish reason at all, "content_filter", ...) before max_tokens is a stop
     if answer.finish_reason != "length" and n < answer.max_tokens and not answer.stop:
-        if greedy:
+        if determined:
             early = scores.stop_gap > bands.greedy_gap
         else:
             early = scores.stop_logp < math.log(bands.min_stop_prob)

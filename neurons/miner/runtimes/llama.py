@@ -222,10 +222,10 @@ def decode(engine: LlamaEngine, prompt: list[int], max_tokens: int, sampling: Sa
     engine.check_fits(len(prompt), max_tokens)
     engine.begin(prompt)
     put(len(prompt))
-    for _ in range(max_tokens):
+    for position in range(max_tokens):
         if cancel.is_set():
             return None
-        token = engine.choose(engine.next_logits(), sampling, rng)
+        token = engine.choose(engine.next_logits(), sampling, rng, position)
         if token in engine.stop_ids:
             return "stop"
         put([(token, engine.piece(token))])
