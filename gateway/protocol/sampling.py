@@ -11,7 +11,7 @@ with them is audited for structure only (see :class:`scoring.measurement.Answer`
 another prompt, or at another temperature, is often plausible too (``scripts/bench_audit.py``
 measured 48-65 % per-answer detection for those on Gemma 3 270M). So every miner-bound request
 carries a ``seed`` the validator chose, and a sampled token is the Gumbel-max draw
-:func:`seeded_token`: the argmax, over the asked nucleus, of each token's log-probability plus a
+:func:`seeded_token`: the argmax, over the asked nucleus, of each token's scaled logit plus a
 Gumbel variate hashed from ``(seed, position, token id)`` (:func:`gumbel`). Over fresh seeds that
 is exactly a draw from the asked distribution (the Gumbel-max trick), so clients get what they
 asked for; for a given seed it is one token, so an audit checks a sampled answer position by
@@ -77,12 +77,20 @@ def is_seed(v: Any) -> bool:
 
 
 _U64 = (1 << 64) - 1
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser on one unsigned 64-bit integer: a cheap, well-spread hash."""
+    x = (x + _GOLDEN) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
 
 
 def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64's finaliser, element-wise on uint64 (wrapping arithmetic, as in C)."""
-    x = x + _GOLDEN
+    """:func:`mix64` element-wise on uint64 arrays (numpy wraps as C does)."""
+    x = x + np.uint64(_GOLDEN)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     out: npt.NDArray[np.uint64] = x ^ (x >> np.uint64(31))
@@ -95,9 +103,9 @@ def gumbel(seed: int, position: int, vocab: int) -> FloatArray:
     ``u = (mix64(mix64(seed ^ mix64(position)) + id * golden) >> 11 + 0.5) / 2**53``: 53 random
     bits, never 0 or 1. The spec a miner's runtime implements, bit for bit.
     """
+    base = np.uint64(mix64(seed ^ mix64(position)))
     with np.errstate(over="ignore"):
-        base = _mix64(np.uint64(seed) ^ _mix64(np.array([position], dtype=np.uint64)))
-        h = _mix64(base + np.arange(vocab, dtype=np.uint64) * _GOLDEN)
+        h = _mix64(base + np.arange(vocab, dtype=np.uint64) * np.uint64(_GOLDEN))
     u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
     out: FloatArray = -np.log(-np.log(u))
     return out
@@ -112,20 +120,25 @@ def wire_seed(client_seed: int | None, key: int, fresh: int) -> int:
     """
     if client_seed is None:
         return fresh & SEED_MAX
-    with np.errstate(over="ignore"):
-        mixed = _mix64(np.array([client_seed & _U64], dtype=np.uint64) ^ np.uint64(key & _U64))
-    return int(mixed[0]) & SEED_MAX
+    return mix64((client_seed ^ key) & _U64) & SEED_MAX
 
 
 def seeded_token(logits: npt.ArrayLike, sampling: SamplingParams, position: int) -> int:
-    """The subnet sampler's token at ``position`` (0: the answer's first): argmax of asked logprob + Gumbel."""
+    """The subnet sampler's token at ``position`` (0: the answer's first).
+
+    The argmax, over the asked nucleus, of ``logit / temperature + gumbel(seed, position, id)`` (the
+    log-softmax's shift is the same for every token of a row, so it is left out: one less pass over
+    the vocabulary, and the reference scores the same sum).
+    """
     if sampling.seed is None:
         raise ValueError("the subnet's sampler needs a seed")
     row = np.asarray(logits, dtype=np.float64).reshape(-1)
     if sampling.greedy:
         return int(np.argmax(row))
-    logp = asked_logprobs(row, sampling.temperature, sampling.top_p)[0]
-    return int(np.argmax(logp + gumbel(sampling.seed, position, row.shape[0])))
+    score = row / sampling.temperature + gumbel(sampling.seed, position, row.shape[0])
+    if sampling.top_p < 1.0:
+        score[~np.isfinite(asked_logprobs(row, sampling.temperature, sampling.top_p)[0])] = -np.inf
+    return int(np.argmax(score))
 
 
 def log_softmax(rows: FloatArray) -> FloatArray:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from gateway.protocol.sampling import SamplingParams
+from gateway.protocol.sampling import SamplingParams, mix64
 
 WORDS = (
     "the of and to in is that for it as with was on be by this are from or at an which have not had "
@@ -53,15 +53,6 @@ FAVOURITE = 6.0  # at temperature 1 the favourite takes ~65 % of the mass: peake
 WRONG_CASE = -30.0
 EOT_HERE = 9.0
 EOT_ELSEWHERE = -12.0
-_MASK = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    """splitmix64: a cheap, well-spread hash of an integer."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
 
 
 class ToyModel:
@@ -85,7 +76,7 @@ class ToyModel:
 
     def natural_end(self, key: int, max_tokens: int, share: float = STOP_SHARE) -> int | None:
         """Where the model puts its end-of-turn (a position), or None when it would go past ``max_tokens``."""
-        h = _mix(key ^ 0x5EED)
+        h = mix64(key ^ 0x5EED)
         if (h & 0xFFFF) / 65536.0 >= share:
             return None
         u = ((h >> 16) & 0xFFFF) / 65536.0
@@ -93,7 +84,7 @@ class ToyModel:
         return end if end < max_tokens else None
 
     def favourite(self, key: int, pos: int) -> int:
-        word = _mix(key + pos * 0x1000193) % self.n
+        word = mix64(key + pos * 0x1000193) % self.n
         return word + self.n if pos == 0 else word
 
     # -- the miner's side: sampling without numpy --------------------------------------------------

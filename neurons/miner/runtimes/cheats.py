@@ -8,7 +8,8 @@ or with a cheaper setting of it, would try:
 * ``random``: fast random tokens of the vocabulary (no model work at all);
 * ``stop-early``: one real token, then ``finish_reason: "stop"`` (cheap, "complete" answers);
 * ``cached``: the model's real answer to a *different* prompt (a cache of stock answers);
-* ``hot``: the model with the temperature raised by 0.7 (or sampling where greedy was asked);
+* ``hot``: the model with the temperature raised by 0.7 (or sampling where greedy was asked), with
+  the request's seed: the subnet's sampler at another temperature;
 * ``greedy``: always greedy decoding, whatever temperature was asked (cheaper and steadier);
 * ``truncated``: the model's answer to the last message alone, its first third cut (drops the
   system prompt and history: less prefill).
@@ -20,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from typing import Any
@@ -64,7 +66,7 @@ def cached(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int,
 
 def hot(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
         rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
-    warmer = SamplingParams(temperature=sampling.temperature + 0.7, top_p=sampling.top_p)
+    warmer = dataclasses.replace(sampling, temperature=sampling.temperature + 0.7)  # same seed: as close as it gets
     return decode(engine, engine.prompt_ids(messages), max_tokens, warmer, rng, cancel, put)
 
 
