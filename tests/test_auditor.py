@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from typing import Any
 
-from gateway.protocol.sampling import SamplingParams
+import pytest
+
+from gateway.protocol.sampling import SEED_MAX, SamplingParams
 from neurons.validator.auditor import Auditor
 from scoring.audit import AuditBands, AuditFailure, StrikeBook, StrikePolicy, Verdict
 from scoring.measurement import Answer, FailureReason, Measurement
@@ -136,7 +139,7 @@ async def test_reference_service_round_trip_key_and_bad_requests() -> None:
     import aiohttp
 
     from neurons.model.packaged import ModelUnavailable
-    from neurons.reference.protocol import AUDIT_PATH, decode_request, encode_request
+    from neurons.reference.protocol import AUDIT_PATH, BadAuditRequest, decode_request, encode_request
     from neurons.reference.server import start_reference_service
     from neurons.validator.reference import RemoteReference
 
@@ -172,6 +175,13 @@ async def test_reference_service_round_trip_key_and_bad_requests() -> None:
         import json
 
         assert decode_request(json.loads(encode_request(a, AuditBands(z_limit=5.0)))) == (a, AuditBands(z_limit=5.0))
+        seeded = dataclasses.replace(a, sampling=SamplingParams(temperature=0.7, seed=SEED_MAX))
+        assert decode_request(json.loads(encode_request(seeded, AuditBands())))[0].sampling.seed == SEED_MAX
+        for bad_seed in (-1, 1.5, True, SEED_MAX + 1):
+            raw = json.loads(encode_request(seeded, AuditBands()))
+            raw["answer"]["seed"] = bad_seed
+            with pytest.raises(BadAuditRequest, match="seed"):
+                decode_request(raw)
     finally:
         await runner.cleanup()
     gone = RemoteReference(url)
