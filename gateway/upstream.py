@@ -50,7 +50,7 @@ from .http.client import MinerClient
 from .metering import AnswerBudget, MeterFailure, StreamMeter
 from .protocol.errors import CLIENT_FAULT_CODES
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens
-from .protocol.sampling import SamplingParams, is_seed, wire_seed
+from .protocol.sampling import SamplingParams, wire_seed
 from .protocol.signing import RequestSigner
 from .protocol.sse import ChunkInfo
 from .protocol.tokens import estimate_prompt_tokens
@@ -273,7 +273,9 @@ class UpstreamStream:
         seed = None
         if limits.seeded_sampling:
             client_seed = payload.get("seed")
-            seed = wire_seed(client_seed if is_seed(client_seed) else None, upstream.seed_key, secrets.randbits(64))
+            if not isinstance(client_seed, int) or isinstance(client_seed, bool):
+                client_seed = None  # any int a client sends keys (OpenAI takes int64): repeatable for it too
+            seed = wire_seed(client_seed, upstream.seed_key, secrets.randbits(64))
         body = miner_body(payload, self.max_tokens, seed)
         self.sampling = SamplingParams.of(body)  # what the miner was asked for, the wire seed included
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))

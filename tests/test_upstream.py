@@ -249,12 +249,13 @@ async def test_client_seed_is_keyed_not_forwarded(make_miner, make_gateway):
     m = await make_miner(Script("ok", tokens=2))
     h = await make_gateway([m])
     h.upstream.limits = dataclasses.replace(h.upstream.limits, keep_answers=True)
-    for seed in (7, 7, 8, None):
+    for seed in (7, 7, 8, None, -3, -3):
         extra = {} if seed is None else {"seed": seed}
         async with h.chat(body(stream=False, max_tokens=2, temperature=0.5, **extra)) as r:
             assert r.status == 200
     sent = [b["seed"] for b in m.bodies]
-    assert sent[0] == sent[1] and len(set(sent)) == 3 and 7 not in sent and 8 not in sent
+    assert all(is_seed(s) for s in sent)
+    assert sent[0] == sent[1] and sent[4] == sent[5] and len(set(sent)) == 4 and 7 not in sent and 8 not in sent
     assert [x.answer.sampling.seed for x in h.measurements() if x.answer is not None] == sent
 
 
