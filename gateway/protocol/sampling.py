@@ -149,17 +149,18 @@ def log_softmax(rows: FloatArray) -> FloatArray:
     return out
 
 
-def _nucleus_edge(row: FloatArray, top_p: float) -> float:
-    """The smallest log-probability inside the nucleus of one row of log-probabilities."""
+def nucleus_edges(row: FloatArray, ps: tuple[float, ...]) -> list[float]:
+    """The smallest log-probability inside the nucleus of each ``top_p`` in ``ps``, for one row of
+    log-probabilities (one sort serves them all)."""
     k = min(row.shape[0], _NUCLEUS_SHORTCUT)
     top = np.argpartition(-row, k - 1)[:k] if k < row.shape[0] else np.arange(row.shape[0])
     order = top[np.argsort(-row[top], kind="stable")]
     cum = np.cumsum(np.exp(row[order]))
-    if cum[-1] < top_p and k < row.shape[0]:  # a flat row: the nucleus is wider than the shortcut
+    if cum[-1] < max(ps) and k < row.shape[0]:  # a flat row: the nucleus is wider than the shortcut
         order = np.argsort(-row, kind="stable")
         cum = np.cumsum(np.exp(row[order]))
-    cut = min(int(np.searchsorted(cum, top_p, side="left")), order.shape[0] - 1)
-    return float(row[order[cut]])
+    cuts = [min(int(np.searchsorted(cum, p, side="left")), order.shape[0] - 1) for p in ps]
+    return [float(row[order[c]]) for c in cuts]
 
 
 def asked_logprobs(logits: npt.ArrayLike, temperature: float, top_p: float) -> FloatArray:
@@ -173,7 +174,7 @@ def asked_logprobs(logits: npt.ArrayLike, temperature: float, top_p: float) -> F
     lsm = log_softmax(rows / temperature)
     if top_p >= 1.0:
         return lsm
-    edges = np.array([_nucleus_edge(r, top_p) for r in lsm])[:, None]
+    edges = np.array([nucleus_edges(r, (top_p,))[0] for r in lsm])[:, None]
     kept = np.where(lsm >= edges, lsm, -np.inf)
     out: FloatArray = kept - np.logaddexp.reduce(kept, axis=1, keepdims=True)
     return out

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from gateway.protocol.sampling import FloatArray, SamplingParams, asked_logprobs, gumbel, log_softmax
+from gateway.protocol.sampling import FloatArray, SamplingParams, asked_logprobs, gumbel, log_softmax, nucleus_edges
 
 _BLOCK = 16  # rows per numpy pass: 16 x 262k float32 = 17 MB of temporaries at most
 _NUCLEUS_SLACK = 0.02  # the nucleus is taken a little wider than asked: the reference's numerics differ
@@ -144,14 +144,16 @@ def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling:
 def _below_best(row: FloatArray, tokens: list[int], temp: float, noise: FloatArray, narrow: float,
                 wide: float) -> float:
     """Nats (temperature 1) the best of ``tokens`` scores below the narrow nucleus's best; inf: outside the wide one."""
-    score = row / temp + noise
+    scaled = row / temp
+    score = scaled + noise
     if narrow >= 1.0:
         return max(0.0, temp * (float(score.max()) - float(score[tokens].max())))
-    inside = np.isfinite(asked_logprobs(row, temp, wide)[0])
-    allowed = [t for t in tokens if inside[t]]
+    lsm = log_softmax(scaled[None, :])[0]
+    narrow_edge, wide_edge = nucleus_edges(lsm, (narrow, wide))
+    allowed = [t for t in tokens if lsm[t] >= wide_edge]
     if not allowed:
         return float("inf")  # outside even the widened nucleus
-    best = float(score[np.isfinite(asked_logprobs(row, temp, narrow)[0])].max())
+    best = float(score[lsm >= narrow_edge].max())
     return max(0.0, temp * (best - float(score[allowed].max())))
 
 
