@@ -18,7 +18,9 @@ Printed:
   is quarantined within 10 audits (2 strikes), computed from its measured per-answer rate. A cheat's
   answer that is, token for token, the honest miner's answer to the same request and seed (a prompt
   cut the model ignores, say) is counted apart as an "honest twin": it is the work the subnet pays
-  for, and no audit can or should fail it.
+  for, and no audit can or should fail it. A cheat's answer that passed with no token further from
+  the reference's choice than the honest answers' own worst is a "near twin": failing it would fail
+  honest answers too. The gate is 100 % over the rest ("detected beyond").
 
 Requests carry the subnet sampler's seed, as the gateway sends them; ``--free-sampling`` drops it
 (sampled answers then judged by plausibility, as under ``--gateway.free-sampling``).
@@ -38,7 +40,6 @@ import argparse
 import asyncio
 import math
 import random
-import statistics
 import sys
 import time
 from collections import Counter
@@ -160,14 +161,24 @@ def report(cases: list[Case], wall: float, args: argparse.Namespace) -> int:
         assert c.verdict is not None
         print(f"  T={c.answer.temperature} n={len(c.answer.token_ids or ())}: {c.verdict.detail}")
     ok &= check(f"no honest answer fails (over {len(audited)})", not failed, f"{len(failed)} failed")
-    greedy_gaps = [c.verdict.miss_share for c in audited if c.verdict and c.answer.sampling.greedy]
     zs = [abs(c.verdict.z) for c in audited if c.verdict and c.verdict.z is not None]
     if zs:
         print(f"  sampled |z| (band {AuditBands().z_limit}): p50 {percentile(zs, 50):.2f}  p99 {percentile(zs, 99):.2f}"
               f"  max {max(zs):.2f}  (n={len(zs)})")
-    if greedy_gaps:
-        print(f"  greedy share of positions off the argmax (band {AuditBands().greedy_miss_share}): "
-              f"mean {statistics.fmean(greedy_gaps):.3f}  max {max(greedy_gaps):.3f}  (n={len(greedy_gaps)})")
+    # the honest spread of determined answers (greedy, or seeded sampling): what no audit may fail
+    envelope = 0.0
+    for label, mode in (("greedy", True), ("seeded", False)):
+        mine = [c for c in audited if c.verdict and c.verdict.worst_gap is not None
+                and c.answer.sampling.greedy == mode]
+        if not mine:
+            continue
+        worst = [c.verdict.worst_gap or 0.0 for c in mine if c.verdict]
+        positions = sum(len(c.answer.token_ids or ()) for c in mine)
+        misses = sum(round(c.verdict.miss_share * len(c.answer.token_ids or ())) for c in mine if c.verdict)
+        envelope = max(envelope, max(worst))
+        print(f"  {label}: {misses} of {positions} positions off the reference's choice by more than "
+              f"{AuditBands().greedy_gap} nats; worst gap per answer p99 {percentile(worst, 99):.2f}, "
+              f"max {max(worst):.2f} (n={len(mine)})")
 
     rows = []
     for name in CHEATS:
@@ -176,22 +187,31 @@ def report(cases: list[Case], wall: float, args: argparse.Namespace) -> int:
         caught = [c for c in mine if c.verdict is not None and not c.verdict.passed]
         why = Counter(str(c.verdict.failure) for c in caught if c.verdict is not None)
         rate = len(caught) / len(mine) if mine else float("nan")
+        # passed, yet no token further from the reference's choice than honest answers' own worst: near twins
+        near = [c for c in mine if c.verdict is not None and c.verdict.passed and c.verdict.worst_gap is not None
+                and c.verdict.worst_gap <= envelope]
+        apart = len(mine) - len(near)
+        beyond = len(caught) / apart if apart else float("nan")
         by_mode = []
         for greedy in (True, False):
             part = [c for c in mine if c.answer.sampling.greedy == greedy]
             hit = [c for c in part if c.verdict is not None and not c.verdict.passed]
             by_mode.append(f"{len(hit)}/{len(part)}")
-        rows.append([name, len(mine), twins, f"{rate:.0%}", *by_mode, f"{_quarantined_within(rate, 10):.1%}",
-                     ", ".join(f"{k} {v}" for k, v in why.most_common()) or "-"])
+        why_text = ", ".join(f"{k} {v}" for k, v in why.most_common()) or "-"
+        rows.append([name, len(mine), twins, f"{rate:.0%}", *by_mode, len(near), f"{beyond:.0%}",
+                     f"{_quarantined_within(rate, 10):.1%}", why_text])
         if name in STRICT:
-            ok &= check(f"cheater '{name}' detected on every answer", rate == 1.0, f"{rate:.0%}")
+            ok &= check(f"cheater '{name}' detected on every answer beyond the honest spread", beyond == 1.0,
+                        f"{beyond:.0%} ({rate:.0%} of all, {len(near)} near twins passed)")
     print()
-    print(table(["cheater", "answers", "honest twins", "detected", "greedy", "sampled", "quarantined in 10 audits",
-                 "why"], rows))
-    print("\n(honest twins: answers identical, token for token and in their end, to the honest miner's for the same "
-          "request and seed; they are the work paid for and are left out of the rates. greedy: reported, not "
-          "gated; with free sampling it is detectable only where the asked temperature makes greedy decoding a "
-          "different distribution)")
+    print(table(["cheater", "answers", "honest twins", "detected", "greedy", "sampled", "near twins",
+                 "detected beyond", "quarantined in 10 audits", "why"], rows))
+    print(f"\n(honest twins: answers identical, token for token and in their end, to the honest miner's for the same "
+          "request and seed; they are the work paid for and are left out of every rate. near twins: answers that "
+          f"passed with no token further from the reference's choice than the honest answers' worst ({envelope:.2f} "
+          "nats): no audit can fail them without failing honest ones. 'detected beyond' is the rate over the rest. "
+          "greedy: reported, not gated; with free sampling it is detectable only where the asked temperature makes "
+          "greedy decoding a different distribution)")
     return 0 if ok else 1
 
 

@@ -216,3 +216,19 @@ def test_seeded_sampled_answers_are_judged_token_by_token_like_greedy_ones() -> 
     assert judge(seeded, c, scores(3, stop_gap=0.1, stop_logp=-15.0), b).passed  # the sampler did pick the end
     free = answer(temperature=0.8)
     assert judge(free, checked(free), scores(3, z_shift=-9.0), b).failure == AuditFailure.IMPLAUSIBLE
+
+
+def test_one_near_tie_miss_never_fails_a_short_answer() -> None:
+    a = answer(text="?" * 16, ids=tuple([50] * 16))
+    one = scores(16)
+    one.gap[3] = 0.6  # one flip beyond the 0.5 band: 6 % of 16 positions, over the 5 % share
+    v = judge(a, checked(a), one, AuditBands())
+    assert v.passed and v.worst_gap == pytest.approx(0.6)
+    assert judge(a, checked(a), one, AuditBands(min_misses=0)).failure == AuditFailure.WRONG_TOKENS
+    two = scores(16)
+    two.gap[3] = two.gap[9] = 0.6
+    failed = judge(a, checked(a), two, AuditBands())
+    assert failed.failure == AuditFailure.WRONG_TOKENS and failed.worst_gap == pytest.approx(0.6)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="min_misses"):
+            AuditBands(min_misses=bad)  # type: ignore[arg-type]
