@@ -100,8 +100,9 @@ def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 def gumbel(seed: int, position: int, vocab: int) -> FloatArray:
     """The Gumbel variates of one position: ``-log(-log(u))``, ``u`` hashed from (seed, position, token id).
 
-    ``u = (mix64(mix64(seed ^ mix64(position)) + id * golden) >> 11 + 0.5) / 2**53``: 53 random
-    bits, never 0 or 1. The spec a miner's runtime implements, bit for bit.
+    With ``h = mix64((mix64(seed ^ mix64(position)) + id * golden) mod 2**64)``,
+    ``u = ((h >> 11) + 0.5) / 2**53``: 53 random bits, never 0 or 1. The spec a miner's runtime
+    implements, bit for bit (``tests/test_audit_forcing.py`` spells one variate out).
     """
     base = np.uint64(mix64(seed ^ mix64(position)))
     with np.errstate(over="ignore"):

@@ -70,7 +70,7 @@ class AuditBands:
     greedy_gap: float = 0.5
     greedy_miss_share: float = 0.05
     # Seeded sampling puts near-ties at many positions (the Gumbel-perturbed top two are often close): over
-    # 6,912 honest seeded positions 3 were 0.5-0.69 nats off, and one such flip failed a 16-token answer at 5 %.
+    # 11,171 honest seeded positions 6 were 0.5-0.80 nats off, and one such flip failed a 16-token answer at 5 %.
     min_misses: int = 1
     greedy_hard_gap: float = 2.0
     z_limit: float = 5.0  # honest |z| reached 3.46 over 369 sampled answers (scripts/bench_audit.py)
