@@ -270,12 +270,8 @@ class UpstreamStream:
         self._tmo = timeouts
         limits = upstream.limits
         self.max_tokens = requested_max_tokens(payload, limits.default_max_tokens)
-        seed = None
-        if limits.seeded_sampling:
-            client_seed = payload.get("seed")
-            if not isinstance(client_seed, int) or isinstance(client_seed, bool):
-                client_seed = None  # any int a client sends keys (OpenAI takes int64): repeatable for it too
-            seed = wire_seed(client_seed, upstream.seed_key, secrets.randbits(64))
+        seed = wire_seed(payload.get("seed"), upstream.seed_key, secrets.randbits(64)) \
+            if limits.seeded_sampling else None
         body = miner_body(payload, self.max_tokens, seed)
         self.sampling = SamplingParams.of(body)  # what the miner was asked for, the wire seed included
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))

@@ -112,14 +112,15 @@ def gumbel(seed: int, position: int, vocab: int) -> FloatArray:
     return out
 
 
-def wire_seed(client_seed: int | None, key: int, fresh: int) -> int:
-    """The seed a miner is sent: ``fresh`` (random) for a request without one, else the client's keyed.
+def wire_seed(client_seed: object, key: int, fresh: int) -> int:
+    """The seed a miner is sent: ``fresh`` (random) unless the client's ``seed`` is an int, which is keyed
+    (any int: OpenAI takes int64, so a negative seed must repeat for its client too).
 
     Keyed with the validator's secret ``key`` (so the same client seed gives the same answer, as
     OpenAI's ``seed`` promises, yet the miner sees a number it cannot tell from a fresh one: a seed on
     the wire no longer marks organic traffic, since every request carries one).
     """
-    if client_seed is None:
+    if not isinstance(client_seed, int) or isinstance(client_seed, bool):
         return fresh & SEED_MAX
     return mix64((client_seed ^ key) & _U64) & SEED_MAX
 

@@ -76,14 +76,15 @@ def force(logits: npt.ArrayLike, chosen: npt.ArrayLike, sampling: SamplingParams
     vocab = rows.shape[1]
     if n and (ids.min() < 0 or ids.max() >= vocab):
         raise ValueError("token id outside the vocabulary")
+    stops = sorted(s for s in stop_ids if 0 <= s < vocab)
+    if sampling.seeded:
+        return _seeded(rows, ids, sampling, stops)
     body = rows[:n]
     at = np.arange(n)
     gap = (body.max(axis=1) - body[at, ids]).astype(np.float64)
     logp = np.zeros(n)
     mean = np.zeros(n)
     var = np.zeros(n)
-    if sampling.seeded:
-        return _seeded(rows, ids, sampling, stop_ids, logp)
     if not sampling.greedy and n:
         temp = sampling.temperature
         p = min(1.0, sampling.top_p + _NUCLEUS_SLACK) if sampling.top_p < 1.0 else 1.0
@@ -100,19 +101,20 @@ def force(logits: npt.ArrayLike, chosen: npt.ArrayLike, sampling: SamplingParams
                 mean[lo:hi] = m1
                 var[lo:hi] = np.maximum(0.0, (prob * finite * finite).sum(axis=1) - m1 * m1)
     last = rows[n].astype(np.float64)
-    stops = sorted(s for s in stop_ids if 0 <= s < vocab)
-    if stops:
-        stop_gap = float(last.max() - last[stops].max())
-        temp = 1.0 if sampling.greedy else sampling.temperature
-        scaled = log_softmax(last[None, :] / temp)[0]
-        stop_logp = float(np.logaddexp.reduce(scaled[stops]))
-    else:
-        stop_gap, stop_logp = float("inf"), float("-inf")
+    stop_gap = float(last.max() - last[stops].max()) if stops else float("inf")
+    stop_logp = _stop_logp(last, stops, 1.0 if sampling.greedy else sampling.temperature)
     return ForcedScores(gap=gap, logp=logp, mean=mean, var=var, stop_gap=stop_gap, stop_logp=stop_logp)
 
 
+def _stop_logp(last: FloatArray, stops: list[int], temp: float) -> float:
+    """Log-probability, at temperature ``temp``, that the model ends its turn at the row ``last``."""
+    if not stops:
+        return float("-inf")
+    return float(np.logaddexp.reduce(log_softmax(last[None, :] / temp)[0][stops]))
+
+
 def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling: SamplingParams,
-            stop_ids: tuple[int, ...] | frozenset[int], zeros: FloatArray) -> ForcedScores:
+            stops: list[int]) -> ForcedScores:
     """Gaps for a seeded answer: how far (nats at temperature 1) each token's score sits below the best.
 
     A token's score is its scaled logit plus its Gumbel variate. With a nucleus, the reference's and
@@ -124,7 +126,6 @@ def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling:
     assert seed is not None
     narrow = max(1e-6, sampling.top_p - _NUCLEUS_SLACK) if sampling.top_p < 1.0 else 1.0
     wide = min(1.0, sampling.top_p + _NUCLEUS_SLACK) if sampling.top_p < 1.0 else 1.0
-    stops = sorted(s for s in stop_ids if 0 <= s < vocab)
     gap = np.zeros(n)
     stop_gap = float("inf")
     for j in range(n + 1):
@@ -135,10 +136,8 @@ def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling:
                 gap[j] = below
             else:
                 stop_gap = below
-    stop_logp = float(np.logaddexp.reduce(log_softmax(rows[n:].astype(np.float64) / temp)[0][stops])) if stops \
-        else float("-inf")
-    return ForcedScores(gap=gap, logp=zeros, mean=zeros.copy(), var=zeros.copy(), stop_gap=stop_gap,
-                        stop_logp=stop_logp)
+    return ForcedScores(gap=gap, logp=np.zeros(n), mean=np.zeros(n), var=np.zeros(n), stop_gap=stop_gap,
+                        stop_logp=_stop_logp(rows[n].astype(np.float64), stops, temp))
 
 
 def _below_best(row: FloatArray, tokens: list[int], temp: float, noise: FloatArray, narrow: float,
