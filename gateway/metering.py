@@ -84,6 +84,7 @@ class StreamMeter:
         self.done = False  # [DONE] seen: the answer is complete
         self.pending: MeterFailure | None = None  # a failure found after valid chunks of the same read
         self._conc_area = 0.0
+        self._first_in_flight = 1
         # the answer itself, for an audit: the text the client receives and the ids said to spell it
         self.keep_answer = keep_answer
         self.text: list[str] = []
@@ -112,7 +113,8 @@ class StreamMeter:
         return self.ttft_s is not None
 
     def feed(self, data: bytes, now: float, in_flight: int = 1) -> list[ChunkInfo]:
-        """The chunks in ``data`` (one network read). ``in_flight``: the miner's streams right now.
+        """The chunks in ``data`` (one network read). ``in_flight``: the miner's streams delivering tokens
+        right now, this one included.
 
         A rule broken after valid chunks of the same read is kept in ``pending`` and those chunks are
         returned (what the miner sent before breaking a rule still reaches the client); the next
@@ -180,6 +182,7 @@ class StreamMeter:
                     self.text.append(chunk.content)
                 if self.ttft_s is None:
                     self.ttft_s = now - self.started_at
+                    self._first_in_flight = in_flight
                 else:
                     self._conc_area += in_flight * (now - self.last_content_at)
                 self.last_content_at = now
@@ -209,8 +212,10 @@ class StreamMeter:
             raise MeterFailure(FailureReason.DROPPED, "stream ended before finish")
 
     def decode_concurrency(self) -> float | None:
-        """Time-weighted mean of the miner's streams while this one decoded (itself included)."""
+        """Time-weighted mean of the miner's delivering streams while this one decoded (itself included);
+        for an answer that came in one read, the streams delivering at that moment. Streams that hang
+        before their first byte are not load: leaving them open never lowers the bar a miner is held to."""
         if self.ttft_s is None:
             return None
         decode_s = self.last_content_at - (self.started_at + self.ttft_s)
-        return self._conc_area / decode_s if decode_s > 0 else None
+        return self._conc_area / decode_s if decode_s > 0 else float(self._first_in_flight)

@@ -66,6 +66,7 @@ class MinerState:
     slots: int
     score: float | None = None  # None: not measured yet, routed at the prior
     in_flight: int = 0
+    delivering: int = 0  # streams in flight that have sent content: the load a miner cannot fake by hanging
     served: int = 0
     passes: float = 0.0  # stride-scheduling pass: grows by 1/score per dispatch
     quarantined: bool = False  # failed its audits: out of organic routing, reachable by probes only
@@ -83,6 +84,14 @@ class Lease:
     miner: MinerState
     in_flight_at_dispatch: int
     released: bool = False
+    slots_at_dispatch: int = 1  # what the miner had declared when this request was sent: refusals are judged on it
+    delivering: bool = False  # the stream has sent content (counted in ``miner.delivering`` until released)
+
+    def start_delivering(self) -> None:
+        """The stream sent its first content: from now on it is load on the miner (once)."""
+        if not self.delivering and not self.released:
+            self.delivering = True
+            self.miner.delivering += 1
 
 
 class _Bucket:
@@ -340,7 +349,7 @@ class Router:
         m = self._miners.get(uid)
         if m is None:
             return None
-        lease = Lease(miner=m, in_flight_at_dispatch=m.in_flight)
+        lease = Lease(miner=m, in_flight_at_dispatch=m.in_flight, slots_at_dispatch=m.slots)
         self._unbucket(m)
         m.in_flight += 1
         m.passes = self._pass(m) + 1.0 / (self._weight(m) or self._prior or 1.0)
@@ -358,6 +367,8 @@ class Router:
         if live:
             self._unbucket(m)
         m.in_flight -= 1
+        if lease.delivering:
+            m.delivering -= 1
         if served:
             m.served += 1
         if live:

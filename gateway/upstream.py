@@ -88,12 +88,18 @@ REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our rele
 
 
 def refusal(in_flight: int, slots: int) -> FailureReason:
-    """What a 429 is: the truth (``busy``) when this validator's streams fill the slots the miner declares,
-    a refusal the miner is booked for (``refused``) when at least two of them were free.
+    """What a 429 is: the truth (``busy``) when this validator's streams fill the slots the miner declared
+    *before* the request, a refusal the miner is booked for (``refused``) when at least two of them were free,
+    or when none of this validator's streams was on it (whatever it declares: one slot is still one slot).
 
+    ``slots`` is what the miner declared at dispatch, never the refusing response's own header: a miner
+    declaring 4 slots on answers and 1 on each 429 turned every refusal into the truth (issue 23: 1.34-1.47x).
     The slack of one: the gateway releases a stream when it reads ``[DONE]``, a moment before the miner's
-    handler returns, so a back-to-back dispatch can find an honest miner still counting the last one.
+    handler returns, so a back-to-back dispatch can find an honest miner still counting the last one (the
+    reference miner frees its slot before it sends ``[DONE]``, so it never refuses that way).
     """
+    if in_flight <= 0:
+        return FailureReason.REFUSED
     return FailureReason.REFUSED if in_flight + REFUSAL_SLACK < slots else FailureReason.BUSY
 
 
@@ -349,7 +355,7 @@ class UpstreamStream:
             concurrency=meter.decode_concurrency(),
             answer=self._answer() if failure is None and meter.keep_answer else None,
             finish_reason=meter.finish_reason if failure is None else None,
-            slots=self.lease.miner.slots,
+            slots=self.lease.slots_at_dispatch,
             capacity_check=self.capacity_check,
         )
         self.measurement = m
@@ -446,7 +452,7 @@ class UpstreamStream:
             # read a refusal's small body so the connection can be reused (a refusal is often a 429)
             body = await settle(resp, self._deadline() - self._loop.time(), content_ok=True)
             if status == 429:
-                raise self._fail(refusal(self.lease.in_flight_at_dispatch, self.lease.miner.slots), status=status)
+                raise self._fail(refusal(self.lease.in_flight_at_dispatch, self.lease.slots_at_dispatch), status=status)
             rejected = client_fault(status, body)
             if rejected is not None:  # the request's fault (too long for the model): not the miner's
                 raise self._fail(FailureReason.CLIENT_REJECTED, status=status, detail=rejected)
@@ -497,9 +503,12 @@ class UpstreamStream:
                     self.meter.end()
                     self._finish(None)
                     return []
-                batch = self.meter.feed(data, self._loop.time(), self.lease.miner.in_flight)
+                lease = self.lease
+                batch = self.meter.feed(data, self._loop.time(), lease.miner.delivering + (not lease.delivering))
             except MeterFailure as e:
                 raise self._fail(e.reason, detail=e.detail) from None
+            if self.meter.content_started:
+                lease.start_delivering()
             if self.meter.done:
                 self._finish(None)
             if batch or self.meter.done:

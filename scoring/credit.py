@@ -7,6 +7,17 @@ honest card delivers at that concurrency. The curve is *aggregate* tok/s (per-re
 because batching raises the card's total throughput while each stream gets slower; a miner is
 never penalised for being asked to run requests side by side.
 
+Decode is judged on the validator's clock only (:func:`on_time_ratio`): when the whole answer arrived,
+from dispatch, against when an honest card at that concurrency would have finished it (prefill
+allowance + the full TTFT band + the tokens after the first at the expected rate). It used to be the
+rate from the miner's first token, and a miner chooses when that is: a card that held its first token
+and sent the rest in one burst showed any rate it liked (issue 23: a half-speed card earned 4.9x its
+honest pay that way). Now holding tokens back changes nothing decode sees, and costs TTFT credit. The
+price, on purpose: a short answer's deadline is mostly the TTFT band, so a card slower at decode but
+quicker to its first token is judged by what its user sees, the whole answer as soon as from an
+honest card at the band's edge; and a first token past the band makes the answer late too.
+:func:`on_time_rate` is the same clock read as a rate, for the capacity check.
+
 Everything here is pure and total: NaN, inf or negative measurements are the miner's failure
 (credit 0), never an exception in the scoring path.
 
@@ -130,6 +141,10 @@ def expected_rate(concurrency: float, cfg: CreditConfig) -> float:
     return aggregate_rate(n, cfg) / n
 
 
+def _ratio_credit(ratio: float, cfg: CreditConfig) -> float:
+    return _ramp(ratio, zero_at=cfg.floor_ratio, one_at=cfg.tolerance_ratio)
+
+
 def decode_credit(rate: float | None, concurrency: float, cfg: CreditConfig) -> float | None:
     """0 under ``floor_ratio`` of the expected rate, 1 from ``tolerance_ratio``, linear between.
 
@@ -139,8 +154,53 @@ def decode_credit(rate: float | None, concurrency: float, cfg: CreditConfig) -> 
         return None
     if _bad(rate) or _bad(concurrency):
         return 0.0
-    ratio = rate / expected_rate(concurrency, cfg)
-    return _ramp(ratio, zero_at=cfg.floor_ratio, one_at=cfg.tolerance_ratio)
+    return _ratio_credit(rate / expected_rate(concurrency, cfg), cfg)
+
+
+def decode_start_s(m: Measurement, cfg: CreditConfig) -> float:
+    """Seconds after dispatch from which ``m``'s decode is timed: the prefill allowance plus the full TTFT band.
+
+    Fixed by the request and the profile, never by anything the miner sends.
+    """
+    prompt = m.prompt_tokens if not _bad(m.prompt_tokens) else 0
+    return prompt / cfg.prefill_tok_s + cfg.full_band_s
+
+
+def on_time_ratio(m: Measurement, concurrency: float, cfg: CreditConfig) -> float | None:
+    """An honest card's completion time for ``m`` at ``concurrency`` over the one measured, both from dispatch.
+
+    1.0: on time; 0.5: the answer took twice as long as an honest card's. ``None`` when there is nothing
+    to judge (fewer than ``min_decode_tokens`` tokens, no token at all); 0.0 for a latency that is not a
+    possible measurement.
+    """
+    if m.ttft_s is None or _bad(m.completion_tokens) or m.completion_tokens < cfg.min_decode_tokens:
+        return None
+    if _bad(m.latency_s) or m.latency_s <= 0 or _bad(concurrency):
+        return 0.0
+    expected = decode_start_s(m, cfg) + (m.completion_tokens - 1) / expected_rate(concurrency, cfg)
+    return expected / m.latency_s
+
+
+def on_time_credit(m: Measurement, concurrency: float, cfg: CreditConfig) -> float | None:
+    """Decode credit of ``m``: :func:`on_time_ratio` on the tolerance ramp (``None``: not judged, factor 1)."""
+    ratio = on_time_ratio(m, concurrency, cfg)
+    return None if ratio is None else _ratio_credit(ratio, cfg)
+
+
+def on_time_rate(m: Measurement, cfg: CreditConfig) -> float | None:
+    """Tokens after the first per second, from :func:`decode_start_s` to the end of the answer.
+
+    ``None`` when there is nothing to time: fewer than ``min_decode_tokens`` tokens, no token at all, a
+    latency that is not a number, or an answer complete before the decode clock starts.
+    """
+    if m.ttft_s is None or _bad(m.latency_s) or _bad(m.completion_tokens):
+        return None
+    if m.completion_tokens < cfg.min_decode_tokens:
+        return None
+    window = m.latency_s - decode_start_s(m, cfg)
+    if window <= 0:
+        return None
+    return (m.completion_tokens - 1) / window
 
 
 def _measurement_is_sane(m: Measurement) -> bool:
@@ -182,5 +242,5 @@ def request_credit(m: Measurement, cfg: CreditConfig, *, loaded: bool = False) -
     if t == 0.0:
         return 0.0
     concurrency = max(m.decode_concurrency, float(m.slots)) if loaded else m.decode_concurrency
-    d = decode_credit(m.decode_rate(cfg.min_decode_tokens), concurrency, cfg)
+    d = on_time_credit(m, concurrency, cfg)
     return t if d is None else t * d

@@ -85,9 +85,12 @@ class Measurement:
     ``in_flight`` is the number of this validator's requests already in flight to that miner when
     this one was dispatched (so the request ran at concurrency ``in_flight + 1``).
     ``prompt_tokens`` is the validator's own estimate, never the miner's usage report.
-    ``concurrency`` is the time-weighted mean of this validator's in-flight requests on that miner
-    while this one was decoding (itself included): requests that join or leave mid-stream change the
-    rate an honest card can give, so the dispatch-time count alone would misjudge honest cards.
+    ``concurrency`` is the time-weighted mean of this validator's streams on that miner that were
+    delivering tokens while this one decoded (itself included): requests that join or leave mid-stream
+    change the rate an honest card can give, so the dispatch-time count alone would misjudge honest
+    cards, and a stream left hanging before its first byte does not count as load.
+    Rates are judged on the validator's clock (:func:`scoring.credit.on_time_rate`), never from the
+    miner's first token.
     """
 
     uid: int
@@ -118,19 +121,6 @@ class Measurement:
     def decode_concurrency(self) -> float:
         """Streams sharing the card while this one decoded (dispatch-time count when not measured)."""
         return self.concurrency if self.concurrency is not None else float(self.in_flight + 1)
-
-    @property
-    def decode_s(self) -> float:
-        """Time spent decoding after the first token."""
-        if self.ttft_s is None:
-            return 0.0
-        return max(0.0, self.latency_s - self.ttft_s)
-
-    def decode_rate(self, min_tokens: int = 16) -> float | None:
-        """Tokens per second after the first token, or None when too few tokens to tell."""
-        if self.completion_tokens < min_tokens or self.decode_s <= 0:
-            return None
-        return (self.completion_tokens - 1) / self.decode_s
 
 
 class MeasurementSink(Protocol):

@@ -13,6 +13,7 @@ from scoring.credit import (
     aggregate_rate,
     decode_credit,
     expected_rate,
+    on_time_rate,
     request_credit,
     ttft_credit,
 )
@@ -32,9 +33,12 @@ def measure(
     failure: FailureReason | None = None,
     latency: float | None = None,
 ) -> Measurement:
-    """A measurement whose decode rate is ``rate`` tok/s (when given)."""
+    """A measurement whose decode rate is ``rate`` tok/s (when given), its first token at the band's edge
+    (so its completion time is an honest card's at the expected rate, scaled by rate / expected)."""
     if latency is None:
-        latency = (ttft or 0.0) + ((tokens - 1) / rate if rate else 0.1)
+        start = prompt / CFG.prefill_tok_s + CFG.full_band_s  # decode_start_s
+        latency = (start + (tokens - 1) / expected_rate(concurrency, CFG)) * expected_rate(concurrency, CFG) / rate \
+            if rate else (ttft or 0.0) + 0.1
     return Measurement(uid=1, hotkey="hk", in_flight=concurrency - 1, prompt_tokens=prompt, max_tokens=tokens,
                        ttft_s=ttft, latency_s=latency, completion_tokens=tokens, ok=ok, failure=failure)
 
@@ -160,7 +164,7 @@ def test_credit_is_product_of_ttft_and_decode() -> None:
 
 def test_too_few_tokens_means_ttft_only() -> None:
     m = measure(ttft=1.0, tokens=CFG.min_decode_tokens - 1, latency=1.01, prompt=0)
-    assert m.decode_rate(CFG.min_decode_tokens) is None
+    assert on_time_rate(m, CFG) is None
     assert request_credit(m, CFG) == pytest.approx(0.5)
 
 

@@ -17,9 +17,9 @@ CFG = CreditConfig()
 
 
 def ok(hotkey: str, ttft: float, uid: int = 1, probe: bool = False) -> Measurement:
-    # 64 tokens at 440 tok/s single-stream: decode is full credit, so credit is the TTFT credit.
-    return Measurement(uid=uid, hotkey=hotkey, in_flight=0, prompt_tokens=0, max_tokens=64, ttft_s=ttft,
-                       latency_s=ttft + 63 / 440.0, completion_tokens=64, ok=True, probe=probe)
+    # 8 tokens, under min_decode_tokens: decode is not judged, so credit is the TTFT credit.
+    return Measurement(uid=uid, hotkey=hotkey, in_flight=0, prompt_tokens=0, max_tokens=8, ttft_s=ttft,
+                       latency_s=ttft + 7 / 440.0, completion_tokens=8, ok=True, probe=probe)
 
 
 def failed(hotkey: str, reason: FailureReason, uid: int = 1) -> Measurement:

@@ -15,7 +15,7 @@ from gateway.http.client import MinerClient
 from gateway.protocol.sampling import is_seed
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
-from gateway.upstream import Upstream, UpstreamTimeouts
+from gateway.upstream import Upstream, UpstreamTimeouts, refusal
 from scoring.measurement import FailureReason, MeasurementQueue
 from tests.fakes import MODEL, Script, body, contents, eventually, read_sse
 
@@ -128,8 +128,8 @@ async def test_ttft_clock_starts_at_dispatch_not_headers(make_miner, make_gatewa
     assert meas.ok and meas.completion_tokens == 20
     assert meas.ttft_s is not None and meas.ttft_s >= 0.3
     assert meas.latency_s >= meas.ttft_s + 19 * 0.01 * 0.9
-    rate = meas.decode_rate(min_tokens=16)
-    assert rate is not None and rate <= 19 / (19 * 0.01 * 0.9)
+    rate = 19 / (meas.latency_s - meas.ttft_s)
+    assert rate <= 19 / (19 * 0.01 * 0.9)
 
 
 async def test_concurrent_requests_get_distinct_nonces(make_miner, make_gateway):
@@ -161,7 +161,7 @@ async def test_concurrent_requests_get_distinct_nonces(make_miner, make_gateway)
         (Script("drop_after", after=2), FailureReason.DROPPED),
         (Script("empty"), FailureReason.EMPTY),
         (Script("http500"), FailureReason.HTTP_STATUS),
-        (Script("busy"), FailureReason.BUSY),
+        (Script("busy"), FailureReason.REFUSED),  # none of our streams on it: a refusal whatever it declares
         (Script("refuse"), FailureReason.REFUSED),
         (Script("no_done", tokens=3), None),
         (Script("ok", tokens=3), None),
@@ -301,7 +301,8 @@ async def test_decode_concurrency_counts_requests_that_join_mid_stream(make_sim_
     assert a is not None and a.ok and a.in_flight == 0
     assert a.concurrency is not None and 1.1 < a.concurrency < 1.95
     cfg = CreditConfig()
-    rate = a.decode_rate() or 0.0
+    assert a.ttft_s is not None
+    rate = (a.completion_tokens - 1) / (a.latency_s - a.ttft_s)  # the card's own rate, from its first token
     # the sim runs 4x fast: scale the rate back to real seconds before judging it
     assert decode_credit(rate / 4, a.decode_concurrency, cfg) == pytest.approx(1.0)
     assert decode_credit(rate / 4, a.in_flight + 1, cfg) < 1.0
@@ -360,3 +361,49 @@ async def test_slot_count_advertised_by_the_miner_reaches_the_router(make_sim_mi
         h.router.release(lease)
     assert m.ok
     assert h.router.get(1).slots == 3
+
+
+def test_a_429_is_judged_on_the_slots_declared_before_the_request() -> None:
+    """Issue 23: a 429 with none of this validator's streams on the miner is a refusal, one slot or four."""
+    assert refusal(0, 1) == FailureReason.REFUSED and refusal(0, 4) == FailureReason.REFUSED
+    assert refusal(1, 1) == FailureReason.BUSY and refusal(3, 4) == FailureReason.BUSY  # full, within the slack
+    assert refusal(1, 4) == FailureReason.REFUSED  # two of its four slots were free
+
+
+async def test_a_refusals_own_slot_header_does_not_excuse_it(make_miner, make_gateway):
+    """The miner declared 4 slots on its answers; its 429 says 1. Judged on the 4 it declared (issue 23)."""
+    m = await make_miner(Script("busy"))  # every 429 declares as many slots as the caller uses
+    h = await make_gateway([m])
+    miner = h.router.get(1)
+    assert miner is not None
+    h.router.learn_slots(miner, 4)  # what its answers said
+    held = h.router.acquire_uid(1)  # one of our streams is on it
+    lease = h.router.acquire_uid(1)
+    assert held is not None and lease is not None and lease.slots_at_dispatch == 4
+    try:
+        meas = await asyncio.wait_for(h.upstream.probe(lease, body(max_tokens=8)), timeout=15)
+    finally:
+        h.router.release(lease)
+        h.router.release(held)
+    assert meas.failure == FailureReason.REFUSED  # old code: the header's "1" made it BUSY
+
+
+async def test_a_stream_left_hanging_is_not_load(make_miner, make_gateway):
+    """Issue 23: streams a miner leaves open before their first byte used to count as the concurrency its
+    other streams were judged at (a miner leaving check streams open read as 6 cards)."""
+    m = await make_miner(Script("ok", tokens=20, token_delay=0.01), slots=8)
+    h = await make_gateway([m])
+    hanging = [h.router.acquire_uid(1) for _ in range(5)]  # in flight on the miner, never delivering
+    lease = h.router.acquire_uid(1)
+    assert lease is not None and all(x is not None for x in hanging)
+    try:
+        meas = await asyncio.wait_for(h.upstream.probe(lease, body(max_tokens=20)), timeout=15)
+    finally:
+        h.router.release(lease)
+        for x in hanging:
+            assert x is not None
+            h.router.release(x)
+    assert meas.ok and meas.in_flight == 5
+    assert meas.concurrency == pytest.approx(1.0)  # only itself delivered
+    miner = h.router.get(1)
+    assert miner is not None and miner.delivering == 0 and miner.in_flight == 0

@@ -30,7 +30,7 @@ from loguru import logger
 
 from gateway.protocol.errors import error_body
 from gateway.protocol.openai import CHAT_PATH, SLOTS_HEADER
-from gateway.protocol.sse import frame
+from gateway.protocol.sse import DONE_FRAME, frame
 
 from .runtimes.base import Runtime, RuntimeFailure
 from .trust import Trust
@@ -137,19 +137,24 @@ class MinerServer:
                                   headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
         self.busy += 1
         self._busy_by[who] += 1
+        slot = _Slot(self, who)
         try:
-            return await self._serve(request, payload, who)
+            return await self._serve(request, payload, slot)
         finally:
-            self.busy -= 1
-            self._busy_by[who] -= 1
-            if not self._busy_by[who]:
-                del self._busy_by[who]
+            slot.free()
+
+    def _free(self, who: str) -> None:
+        self.busy -= 1
+        self._busy_by[who] -= 1
+        if not self._busy_by[who]:
+            del self._busy_by[who]
 
     def _too_large(self) -> web.Response:
         return error_response(413, f"request body exceeds {self.max_body_bytes} bytes", type="invalid_request_error",
                               code="payload_too_large")
 
-    async def _serve(self, request: web.Request, payload: dict[str, Any], caller: str) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, payload: dict[str, Any], slot: _Slot) -> web.StreamResponse:
+        caller = slot.who
         async with contextlib.aclosing(self.runtime.stream(payload)) as frames:
             try:
                 first = await anext(frames)
@@ -165,9 +170,15 @@ class MinerServer:
                 "Content-Type": "text/event-stream", "Cache-Control": "no-cache", SLOTS_HEADER: str(self.slots)})
             try:
                 await resp.prepare(request)
+                if DONE_FRAME in first:
+                    slot.free()
                 await resp.write(first)
                 try:
                     async for chunk in frames:
+                        if DONE_FRAME in chunk:
+                            # free the slot before the caller reads [DONE]: it may send the next request at
+                            # once, and a 429 with none of its streams here is booked as a refusal
+                            slot.free()
                         await resp.write(chunk)
                 except RuntimeFailure as e:
                     logger.warning("runtime failed mid-stream for {}: {}", caller[:10], e.message)
@@ -185,6 +196,20 @@ class MinerServer:
                 return resp
             self.served += 1
             return resp
+
+
+class _Slot:
+    """One caller's claimed slot; freed once, at ``[DONE]`` or when the handler ends, whichever is first."""
+
+    __slots__ = ("_server", "who", "_held")
+
+    def __init__(self, server: MinerServer, who: str) -> None:
+        self._server, self.who, self._held = server, who, True
+
+    def free(self) -> None:
+        if self._held:
+            self._held = False
+            self._server._free(self.who)
 
 
 MINER_KEY = web.AppKey("miner", MinerServer)  # runner.app[MINER_KEY] is the server (busy, served, ...)

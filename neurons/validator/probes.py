@@ -5,11 +5,15 @@ the very same path as an organic request after routing (same signer, same reques
 upstream code, same measurement), only the miner is chosen by the schedule instead of the router,
 so a miner cannot tell probes from organic traffic and serve them better.
 
-Once a round, at a random moment, the **capacity check** fills every miner's free declared slots but
-one at the same instant (:mod:`scoring.capacity`): one card registered as several hotkeys then
-carries all their streams at once and shows it; the slot left free keeps serving users. It costs
-the validator the sum of all miners' slots in streams of :data:`CAPACITY_TOKENS` tokens (about a
-second on a 5090) once a round; ``capacity_check=False`` turns it off.
+At :data:`CAPACITY_CHECKS` random moments of each round, the **capacity check** fills every miner's
+free declared slots but one at the same instant (:mod:`scoring.capacity`): one card registered as
+several hotkeys then carries all their streams at once and shows it; the slot left free keeps
+serving users. Its streams are ordinary probes, shaped like users' requests (issue 23: a check whose
+every stream asked for exactly 64 tokens was told apart and gamed), drawn again while they ask for
+fewer than :data:`CAPACITY_MIN_TOKENS` tokens so each one can be timed. Spreading it over several
+moments lets the median of the window (:class:`scoring.capacity.CapacityBook`) ignore one check that
+happened to meet someone else's burst. It costs the validator the sum of all miners' slots in
+streams, that often a round; ``capacity_check=False`` turns it off.
 
 Example::
 
@@ -39,7 +43,9 @@ def plan_round(uids: Iterable[int], per_miner: int, round_s: float, rng: random.
     return plan
 
 
-CAPACITY_TOKENS = 64  # long enough to time a decode rate under load, short enough to hold the slots ~1 s
+CAPACITY_CHECKS = 2  # capacity checks a round, each at its own random moment
+CAPACITY_MIN_TOKENS = 64  # a check stream asks for at least this many tokens: long enough to time under load
+_REDRAWS = 8  # drawing a long-enough shape this many times at most, then asking for the minimum
 
 
 class ProbeFn(Protocol):
@@ -73,7 +79,8 @@ class ProbeRunner:
         uids = [m.uid for m in self._router.miners()]
         plan: list[tuple[float, int | None]] = list(plan_round(uids, per_miner, round_s, self._rng))
         if self.capacity_check and uids:
-            plan.append((self._rng.uniform(0.0, round_s * 0.6), None))  # None: the capacity check
+            for _ in range(CAPACITY_CHECKS):
+                plan.append((self._rng.uniform(0.0, round_s * 0.6), None))  # None: a capacity check
             plan.sort(key=lambda x: x[0])
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -94,8 +101,7 @@ class ProbeRunner:
         sent = 0
         for m in self._router.miners():
             for _ in range(max(1 if m.in_flight == 0 else 0, m.slots - m.in_flight - 1)):
-                payload = self._prompts.payload(self._model)  # before the lease: nothing can leak it
-                payload["max_tokens"] = CAPACITY_TOKENS
+                payload = self._check_payload()  # before the lease: nothing can leak it
                 lease = self._router.acquire_uid(m.uid)
                 if lease is None:
                     continue
@@ -104,6 +110,16 @@ class ProbeRunner:
                 sent += 1
         self.capacity_streams += sent
         return sent
+
+    def _check_payload(self) -> dict[str, Any]:
+        """An ordinary probe that asks for at least :data:`CAPACITY_MIN_TOKENS` tokens."""
+        for _ in range(_REDRAWS):
+            payload = self._prompts.payload(self._model)
+            asked = payload.get("max_tokens")
+            if isinstance(asked, int) and asked >= CAPACITY_MIN_TOKENS:
+                return payload
+        payload["max_tokens"] = CAPACITY_MIN_TOKENS
+        return payload
 
     def _spawn(self, coro: Any, name: str) -> None:
         t = asyncio.create_task(coro, name=name)
