@@ -67,6 +67,7 @@ class GatewayConfig:
     served_by_header: str = "X-Tensorgate-Miner-Uid"
     shutdown_timeout: float = 5.0
     first_byte_budget_s: float = 30.0  # the whole wait for a first byte, retries included
+    audits: bool = True  # answers are verified by a reference (False: /v1/status says every answer is paid unverified)
     # Once listening, what the process allocated so far (the SDK, imports, the metagraph) lives as long as it
     # does: gc.freeze() takes it out of full collections, each of which would otherwise scan it while every
     # stream waits (one took 66 ms under load). Off in tests, which start many gateways in one process.
@@ -242,7 +243,8 @@ class Gateway:
                "limits": {"rpm": policy.rpm, "tpm": policy.tpm, "tpd": policy.tpd, "streams": policy.streams},
                "day": usage.day if usage else None, "requests_today": usage.requests if usage else 0,
                "tokens_today": usage.tokens if usage else 0, "in_flight": usage.in_flight if usage else 0}
-        await send_json(send, 200, {"in_flight": self.router.total_in_flight(),
+        await send_json(send, 200, {"audits": "on" if self.config.audits else "off: answers are paid unverified",
+                                    "in_flight": self.router.total_in_flight(),
                                     "dispatched": self.upstream.dispatched, "outcomes": dict(self.outcomes),
                                     "miners": miners, "key": key})
 

@@ -24,6 +24,24 @@ Why this shape, against what miners were seen doing (issue 14):
 * A prompt is paid at prefill speed, which is the work it takes; a long prompt answered fast earns no
   more than that.
 
+Only verified work is paid (issue 23: 11,264 unaudited junk tokens were paid in one run). Where the
+validator audits, a round's value comes in two parts: **verified** (answers an audit passed) and
+**unverified** (answers no audit looked at). :class:`PayWindow` settles them over the trailing window:
+
+* unverified pay is **held** until an audit of the same hotkey in the window passes, and **forfeited**
+  for the whole window by one failed audit: junk served to users while probes are answered well pays
+  nothing, however rarely users' answers are audited;
+* a window in which the hotkey was **quarantined** at any round's close settles at 0, verified work
+  included: cycling in and out of quarantine costs the window, not only the rounds inside it.
+
+Example::
+
+    window = PayWindow(12)
+    window.push({"hk": RoundPay(verified=0.05, unverified=0.4, passed=3)})
+    window.settled()                                  # {"hk": 0.45}: an audit passed, the rest is paid
+    window.push({"hk": RoundPay(verified=0.05, unverified=0.4, failed=1)})
+    window.settled()                                  # {"hk": 0.05}: (0.05 + 0.05) / 2, unverified forfeited
+
 Example::
 
     cfg = CreditConfig()
@@ -34,6 +52,9 @@ Example::
 from __future__ import annotations
 
 import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from scoring.credit import CreditConfig
 from scoring.measurement import Measurement
@@ -67,3 +88,73 @@ def round_value(work: float, quality: float, round_s: float) -> float:
     if not all(math.isfinite(x) for x in (work, quality, round_s)) or round_s <= 0:
         return 0.0
     return max(0.0, work) * min(1.0, max(0.0, quality)) / round_s
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPay:
+    """What one round is worth to one hotkey before settlement: values in card-equivalents, audit outcomes."""
+
+    verified: float = 0.0  # value of answers whose audit passed (all answers where the validator audits none)
+    unverified: float = 0.0  # value of answers no audit looked at: paid only as PayWindow allows
+    passed: int = 0  # audits passed this round
+    failed: int = 0  # audits failed this round
+    quarantined: bool = False  # quarantined at the round's close
+
+    @property
+    def total(self) -> float:
+        return self.verified + self.unverified
+
+
+def _finite(x: float) -> float:
+    return max(0.0, float(x)) if isinstance(x, int | float) and math.isfinite(x) else 0.0
+
+
+class PayWindow:
+    """The last ``window`` rounds' :class:`RoundPay` per hotkey; :meth:`settled` is what weights follow."""
+
+    def __init__(self, window: int = 12) -> None:
+        if window < 1:
+            raise ValueError(f"pay window must be >= 1 round, got {window}")
+        self.window = window
+        self._rounds: deque[dict[str, RoundPay]] = deque(maxlen=window)
+
+    def push(self, pays: Mapping[str, RoundPay]) -> None:
+        """Append one closed round (NaN, inf and negative values count 0); the oldest falls out."""
+        self._rounds.append({hk: RoundPay(_finite(p.verified), _finite(p.unverified), max(0, int(p.passed)),
+                                          max(0, int(p.failed)), bool(p.quarantined)) for hk, p in pays.items()})
+
+    def settled(self) -> dict[str, float]:
+        """Settled value per hotkey in the window: verified pay, plus unverified pay once an audit in the
+        window passed and none failed; 0 for a hotkey quarantined at any round's close in the window."""
+        if not self._rounds:
+            return {}
+        totals: dict[str, list[float]] = {}  # verified, unverified, passed, failed, quarantined
+        for r in self._rounds:
+            for hk, p in r.items():
+                t = totals.setdefault(hk, [0.0, 0.0, 0.0, 0.0, 0.0])
+                t[0] += p.verified
+                t[1] += p.unverified
+                t[2] += p.passed
+                t[3] += p.failed
+                t[4] += p.quarantined
+        n = len(self._rounds)
+        out: dict[str, float] = {}
+        for hk, (verified, unverified, passed, failed, quarantined) in totals.items():
+            if quarantined:
+                out[hk] = 0.0
+            else:
+                out[hk] = (verified + (unverified if passed and not failed else 0.0)) / n
+        return out
+
+    def held(self) -> dict[str, float]:
+        """Unverified value per hotkey that :meth:`settled` does not pay now (per round, like settled)."""
+        settled = self.settled()
+        n = len(self._rounds) or 1
+        gross: dict[str, float] = {}
+        for r in self._rounds:
+            for hk, p in r.items():
+                gross[hk] = gross.get(hk, 0.0) + p.total
+        return {hk: max(0.0, g / n - settled.get(hk, 0.0)) for hk, g in gross.items()}
+
+    def __len__(self) -> int:
+        return len(self._rounds)

@@ -6,8 +6,8 @@ must not inherit anything. The UID is kept only for display.
 A miner's round score (its quality) is the mean credit of its *measured* requests (those not
 excluded, see :data:`scoring.credit.EXCLUDED_FAILURES`). A miner that was dispatched to but completed
 nothing measurable scores 0; a miner that received no request at all is simply absent from the round.
-Next to it the round adds up the card-seconds of paid work (:mod:`scoring.pay`); the scorer turns the
-two into the round's value.
+Next to it the round adds up the card-seconds of paid work (:mod:`scoring.pay`), the part of it an audit
+verified, and the audits passed and failed; the scorer turns them into the round's :class:`~scoring.pay.RoundPay`.
 
 Load this validator cannot see: a card also serving other validators decodes slower than this
 validator's own in-flight count predicts. A miner that has shown its full speed in the round (at
@@ -31,8 +31,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scoring.credit import CreditConfig, decode_credit, request_credit
-from scoring.measurement import Measurement
+from scoring.credit import CreditConfig, aggregate_rate, on_time_credit, on_time_rate, request_credit
+from scoring.measurement import FailureReason, Measurement
 from scoring.pay import work_s
 
 SHOWN_SPEED_MIN = 2  # requests at full decode credit (by this validator's count) that earn the load allowance
@@ -60,7 +60,10 @@ class MinerRound:
     credit_sum: float = 0.0  # judged by this validator's own in-flight count
     loaded_sum: float = 0.0  # judged with the allowance for load this validator cannot see
     shown_speed: int = 0  # requests at full decode credit by this validator's own count
-    work_s: float = 0.0  # card-seconds of paid work (scoring.pay)
+    work_s: float = 0.0  # card-seconds of paid work (scoring.pay), verified or not
+    verified_work_s: float = 0.0  # of which an audit passed (all of it where the validator audits nothing)
+    audits_passed: int = 0
+    audits_failed: int = 0
     capacity_rates: list[float] = field(default_factory=list)  # per capacity-check stream (scoring.capacity)
     capacity_load: list[float] = field(default_factory=list)  # this validator's streams on it meanwhile
     probes: int = 0
@@ -83,8 +86,9 @@ class MinerRound:
 
     @property
     def capacity_concurrency(self) -> float:
-        """Mean of this validator's streams on the miner during its capacity-check streams."""
-        return sum(self.capacity_load) / len(self.capacity_load) if self.capacity_load else 0.0
+        """Mean of this validator's delivering streams on the miner during its capacity-check streams that
+        delivered (1 when none did: its rates are then all 0)."""
+        return sum(self.capacity_load) / len(self.capacity_load) if self.capacity_load else 1.0
 
     @property
     def ttft_p50(self) -> float | None:
@@ -96,12 +100,16 @@ class MinerRound:
 
 
 def _delivered_rate(m: Measurement, cfg: CreditConfig) -> float:
-    """What one capacity-check stream delivered, tok/s: 0 for a failure; tokens over the whole latency for
-    an answer too short to time its decode (so stopping after two tokens shows no capacity either)."""
+    """What one capacity-check stream delivered, tok/s, on the validator's clock (:func:`on_time_rate`):
+    0 for a failure; tokens over the whole latency for an answer too short to time (so stopping after two
+    tokens shows no capacity either); never more than one stream of an honest card can decode (the
+    single-stream peak of the profile), so no answer, however it is timed, reads as more than that."""
     if not m.ok or not math.isfinite(m.latency_s) or m.latency_s <= 0:
         return 0.0
-    rate = m.decode_rate(cfg.min_decode_tokens)
-    return rate if rate is not None else m.completion_tokens / m.latency_s
+    rate = on_time_rate(m, cfg)
+    if rate is None:
+        rate = m.completion_tokens / m.latency_s
+    return min(rate, aggregate_rate(1, cfg))
 
 
 class RoundAccumulator:
@@ -125,6 +133,10 @@ class RoundAccumulator:
             row.organic += 1
         if m.audited:
             row.audited += 1
+            if m.ok:
+                row.audits_passed += 1
+            elif m.failure == FailureReason.AUDIT_FAILED:
+                row.audits_failed += 1
         if not m.ok:
             row.failures[m.failure or "unknown"] += 1
         credit = request_credit(m, self.cfg)
@@ -132,13 +144,16 @@ class RoundAccumulator:
             row.measured += 1
             row.credit_sum += credit
             row.loaded_sum += max(credit, request_credit(m, self.cfg, loaded=True) or 0.0)
-            if credit > 0 and decode_credit(m.decode_rate(self.cfg.min_decode_tokens), m.decode_concurrency,
-                                            self.cfg) == 1.0:
+            if credit > 0 and on_time_credit(m, m.decode_concurrency, self.cfg) == 1.0:
                 row.shown_speed += 1
-        row.work_s += work_s(m, self.cfg, audits=self.audits)
+        work = work_s(m, self.cfg, audits=self.audits)
+        row.work_s += work
+        if m.audited or not self.audits:
+            row.verified_work_s += work
         if m.capacity_check and credit is not None:  # a truthful 429 (our streams over its slots) is not judged
             row.capacity_rates.append(_delivered_rate(m, self.cfg))
-            row.capacity_load.append(m.decode_concurrency if m.ok else float(m.in_flight + 1))
+            if m.ok:  # only streams that delivered are load: one left hanging is a 0 rate, not a card's work
+                row.capacity_load.append(m.decode_concurrency)
         if m.ok and m.ttft_s is not None and math.isfinite(m.ttft_s) and m.ttft_s >= 0:
             row.ttft_samples.append(float(m.ttft_s))
         return credit

@@ -50,7 +50,7 @@ from loguru import logger
 from scoring.capacity import CapacityBook, capacity_ratio
 from scoring.credit import CreditConfig
 from scoring.measurement import Measurement
-from scoring.pay import round_value
+from scoring.pay import PayWindow, RoundPay, round_value
 from scoring.rounds import RoundAccumulator
 from scoring.settlement import Settlement
 from scoring.store import ScoreStore, StoredMiner, StoredRound
@@ -150,7 +150,7 @@ class Scorer:
         self.restore_max_age_s = restore_max_age_s
         self.audits = audits  # the validator audits answers: early stops are paid only when audited
         self.settlement = Settlement(window)  # credits: routing
-        self.values = Settlement(window, cap=None)  # values: weights
+        self.values = PayWindow(window)  # values, verified or held: weights
         self.capacity = CapacityBook(window)  # routing credit x best recent capacity ratio
         self._round = RoundAccumulator(self.config, audits=audits)
         self._round_started = clock()
@@ -179,7 +179,7 @@ class Scorer:
         rounds = store.load_rounds(self.settlement.window)
         for r in rounds:
             self.settlement.push(r.scores())
-            self.values.push(r.values())
+            self.values.push(r.pays())
             for m in r.miners:
                 self._uids[m.hotkey] = m.uid
         routing, _ = store.routing_credits()
@@ -202,10 +202,13 @@ class Scorer:
 
     # -- rounds ----------------------------------------------------------------------------------
 
-    def close_round(self, now: float | None = None, *, round_s: float | None = None) -> RoundReport:
+    def close_round(self, now: float | None = None, *, round_s: float | None = None,
+                    quarantined: AbstractSet[str] = frozenset()) -> RoundReport:
         """Close the round in progress: settle it and republish routing scores (``report.saved`` to persist).
 
         ``round_s``: the round's length, for its value (default: the time since the last close, or start).
+        ``quarantined``: hotkeys quarantined by their audits now; their whole pay window settles at 0
+        (:class:`~scoring.pay.PayWindow`).
         """
         ended_at = self.clock() if now is None else now
         length = round_s if round_s is not None else ended_at - self._round_started
@@ -213,9 +216,13 @@ class Scorer:
         acc, self._round = self._round, RoundAccumulator(self.config, audits=self.audits)
         dropped, self._dropped = self._dropped, 0
         round_scores = acc.scores()
-        round_values = {hk: round_value(row.work_s, row.score, length) for hk, row in acc.miners.items()}
+        pays = {hk: RoundPay(verified=round_value(row.verified_work_s, row.score, length),
+                             unverified=round_value(row.work_s - row.verified_work_s, row.score, length),
+                             passed=row.audits_passed, failed=row.audits_failed, quarantined=hk in quarantined)
+                for hk, row in acc.miners.items()}
+        pays.update({hk: RoundPay(quarantined=True) for hk in quarantined if hk not in pays})
         self.settlement.push(round_scores)
-        self.values.push(round_values)
+        self.values.push(pays)
         settled = self.settlement.settled()
         settled_values = self.values.settled()
         for hk, played in acc.miners.items():
@@ -240,12 +247,14 @@ class Scorer:
                                         capacity=self.capacity.multiplier(hk)))
                 continue
             p50, p95 = row.ttft_p50, row.ttft_p95
-            value = round_values[hk]
+            pay = pays[hk]
             rows.append(MinerReport(uid, hk, row.requests, row.measured, p50, p95, row.score, settled[hk],
-                                    dict(row.failures), row.probes, row.organic, row.audited, row.work_s, value, sv,
-                                    self.capacity.multiplier(hk)))
+                                    dict(row.failures), row.probes, row.organic, row.audited, row.work_s, pay.total,
+                                    sv, self.capacity.multiplier(hk)))
             stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
-                                      dict(row.failures), work_s=row.work_s, value=value))
+                                      dict(row.failures), work_s=row.work_s, value=pay.verified,
+                                      unverified=pay.unverified, audits_passed=pay.passed, audits_failed=pay.failed,
+                                      quarantined=pay.quarantined))
         saved = (StoredRound(self._next_index, ended_at, stored), dict(self._routing), dict(self._uids))
         report = RoundReport(self._next_index, ended_at, rows, dropped, saved)
         self._next_index += 1

@@ -31,7 +31,9 @@ from pathlib import Path
 
 from loguru import logger
 
-SCHEMA_VERSION = 3
+from scoring.pay import RoundPay
+
+SCHEMA_VERSION = 4
 DEFAULT_FILENAME = "scoring.sqlite"
 
 _SCHEMA = """
@@ -89,6 +91,15 @@ CREATE TABLE key_usage (
     tokens INTEGER NOT NULL,
     PRIMARY KEY (name, day)
 );
+"""
+# Schema 4: pay for verified work only (issue 23): ``value`` is now the verified part; next to it the
+# unverified part (held until an audit in the window passes), the round's audits and the quarantine flag.
+# Rounds stored before keep their whole value as verified, as they were paid.
+_SCHEMA_4 = """
+ALTER TABLE round_miners ADD COLUMN unverified REAL NOT NULL DEFAULT 0;
+ALTER TABLE round_miners ADD COLUMN audits_passed INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE round_miners ADD COLUMN audits_failed INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE round_miners ADD COLUMN quarantined INTEGER NOT NULL DEFAULT 0;
 """
 _TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits", "key_usage"})
 
@@ -152,7 +163,11 @@ class StoredMiner:
     ttft_p95: float | None = None
     failures: dict[str, int] = field(default_factory=dict)
     work_s: float = 0.0  # card-seconds of paid work
-    value: float = 0.0  # the round value settlement of pay averages (scoring.pay.round_value)
+    value: float = 0.0  # the verified part of the round's value (scoring.pay.RoundPay)
+    unverified: float = 0.0  # the part no audit looked at: paid as the pay window allows
+    audits_passed: int = 0
+    audits_failed: int = 0
+    quarantined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +179,9 @@ class StoredRound:
     def scores(self) -> dict[str, float]:
         return {m.hotkey: m.score for m in self.miners}
 
-    def values(self) -> dict[str, float]:
-        return {m.hotkey: m.value for m in self.miners}
+    def pays(self) -> dict[str, RoundPay]:
+        return {m.hotkey: RoundPay(m.value, m.unverified, m.audits_passed, m.audits_failed, m.quarantined)
+                for m in self.miners}
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +261,7 @@ class ScoreStore:
                     self.path, f"an SQLite file with unknown tables {sorted(tables)} and no tensorgate schema"
                 )
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA + _SCHEMA_2 + _SCHEMA_3 +
+                conn.executescript("BEGIN;" + _SCHEMA + _SCHEMA_2 + _SCHEMA_3 + _SCHEMA_4 +
                                    f"PRAGMA user_version = {SCHEMA_VERSION};")
             logger.info("scoring state: created {} (schema {})", self.path, SCHEMA_VERSION)
             return
@@ -259,7 +275,12 @@ class ScoreStore:
             with self._tx(conn):
                 conn.executescript("BEGIN;" + _SCHEMA_3 + "PRAGMA user_version = 3;")
             tables |= {"key_usage"}
+            version = 3
             logger.info("scoring state: {} migrated from schema 2 to 3 (paid work per round)", self.path)
+        if version == 3:
+            with self._tx(conn):
+                conn.executescript("BEGIN;" + _SCHEMA_4 + "PRAGMA user_version = 4;")
+            logger.info("scoring state: {} migrated from schema 3 to 4 (verified and held pay)", self.path)
         missing = _TABLES - tables
         if missing:
             raise CorruptStateError(self.path, f"schema {version} but tables {sorted(missing)} are missing")
@@ -309,6 +330,7 @@ class ScoreStore:
                 rnd.index, m.hotkey, int(m.uid), int(m.requests), int(m.measured), float(m.score),
                 float(m.credit_sum), _opt_float(m.ttft_p50), _opt_float(m.ttft_p95),
                 json.dumps(dict(m.failures), sort_keys=True), _finite(m.work_s), _finite(m.value),
+                _finite(m.unverified), int(m.audits_passed), int(m.audits_failed), int(bool(m.quarantined)),
             )
             for m in rnd.miners
         ]
@@ -316,7 +338,8 @@ class ScoreStore:
             c.execute("INSERT INTO rounds (idx, ended_at) VALUES (?, ?)", (rnd.index, float(rnd.ended_at)))
             c.executemany(
                 "INSERT INTO round_miners (idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, "
-                "ttft_p95, failures, work_s, value) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "ttft_p95, failures, work_s, value, unverified, audits_passed, audits_failed, quarantined) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             c.execute("DELETE FROM routing")
@@ -338,7 +361,8 @@ class ScoreStore:
             by_idx: dict[int, list[StoredMiner]] = {int(i): [] for i, _ in heads}
             for r in c.execute(
                 "SELECT idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, ttft_p95, failures, "
-                "work_s, value FROM round_miners WHERE idx >= ? ORDER BY idx, rowid",
+                "work_s, value, unverified, audits_passed, audits_failed, quarantined FROM round_miners "
+                "WHERE idx >= ? ORDER BY idx, rowid",
                 (heads[0][0],),
             ):
                 failures = json.loads(r[9])
@@ -351,7 +375,8 @@ class ScoreStore:
                         ttft_p50=None if r[7] is None else float(r[7]),
                         ttft_p95=None if r[8] is None else float(r[8]),
                         failures={str(k): int(v) for k, v in failures.items()},
-                        work_s=float(r[10]), value=float(r[11]),
+                        work_s=float(r[10]), value=float(r[11]), unverified=float(r[12]),
+                        audits_passed=int(r[13]), audits_failed=int(r[14]), quarantined=bool(r[15]),
                     )
                 )
             return [StoredRound(int(i), float(t), by_idx[int(i)]) for i, t in heads]

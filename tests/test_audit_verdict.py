@@ -151,8 +151,15 @@ def test_strikes_quarantine_and_release() -> None:
     assert book.is_quarantined("a")
     assert not book.record("a", passed=True, at=7.0)
     assert not book.record("a", passed=True, at=7.0)
-    assert book.record("a", passed=True, at=8.0)  # three in a row: released with a clean window
-    assert not book.is_quarantined("a") and book.records["a"].strikes == 0
+    assert book.record("a", passed=True, at=8.0)  # three in a row: released ...
+    assert not book.is_quarantined("a") and book.records["a"].strikes == 1  # ... and its strikes stay (issue 23)
+    assert book.record("a", passed=False, at=9.0)  # so the next failure quarantines it again at once
+    for _ in range(3):
+        book.record("a", passed=True, at=10.0)
+    assert not book.is_quarantined("a")
+    for _ in range(5):
+        assert not book.record("a", passed=True, at=11.0)  # a passed audit never quarantines
+    assert book.records["a"].strikes == 0  # strikes leave the window only by sliding out of it
     restored = StrikeBook.from_json(book.policy, book.to_json())
     assert restored.to_json() == book.to_json()
     with pytest.raises(ValueError):

@@ -526,12 +526,26 @@ def test_load_hotkey(tmp_path: Path) -> None:
 
 
 def test_cli_missing_wallet_and_bad_args(tmp_path: Path) -> None:
-    assert main(["--wallet.path", str(tmp_path), "--wallet.name", "ghost", "--allow", VALI.ss58_address]) == 2
+    assert main(["--wallet.path", str(tmp_path), "--wallet.name", "ghost", "--allow", VALI.ss58_address,
+                 "--runtime.sim", "rtx5090"]) == 2
     args = parse_args(["--runtime.sim", "rtx5090-slow:time_scale=2", "--allow", "X", "--allow", "Y"])
     assert args.allow == ["X", "Y"] and args.axon_ip == "127.0.0.1" and args.slots == 4
     for bad in (["--runtime.sim", "gtx1080"], ["--slots", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_cli_serves_a_simulated_card_only_when_named_or_with_a_dev_key(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 23: a miner started with a wallet and no runtime used to serve the simulated card on any network."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--wallet.name", "miner", "--netuid", "7"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no runtime" in err and "--runtime.url" in err and "Traceback" not in err
+    assert parse_args(["--dev-key", "Bob", "--allow", "X"]).runtime_sim == "rtx5090"  # local testing
+    assert parse_args(["--wallet.name", "miner", "--runtime.sim", "rtx5090-slow"]).runtime_sim == "rtx5090-slow"
+    with pytest.raises(SystemExit):
+        parse_args(["--runtime.url", "http://127.0.0.1:1", "--runtime.sim", "rtx5090"])  # two runtimes
 
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -564,3 +578,39 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
             proc.wait(timeout=5)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+class _SlowToCloseRuntime:
+    """A runtime that sends ``[DONE]`` and only then finishes (a proxy waiting for its upstream to close)."""
+
+    name = "slow-to-close"
+
+    def health(self) -> Any:
+        from neurons.miner.runtimes.base import RuntimeHealth
+
+        return RuntimeHealth(ok=True, detail="test")
+
+    async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+        from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
+
+        f = ChunkFramer("chatcmpl-x", 0, "m")
+        yield frame(f.chunk({"role": "assistant"}, None)) + f.tokens("hi", [7])
+        yield frame(f.chunk({}, "stop")) + DONE_FRAME
+        await asyncio.sleep(0.3)  # cleanup after [DONE]: the caller has its answer already
+
+
+async def test_a_one_slot_miner_is_free_again_when_the_validator_reads_done(make_sim_miner, make_gateway):
+    """The miner frees its slot before it sends ``[DONE]``: the gateway releases its lease on reading it and
+    may send the next request at once, and a 429 with none of its streams on the miner is a refusal."""
+    m = await make_sim_miner(slots=1, runtime=_SlowToCloseRuntime())
+    h = await make_gateway([m])
+    for _ in range(5):  # back to back, no pause: each request goes out the moment the last [DONE] is read
+        lease = h.router.acquire_uid(1)
+        assert lease is not None
+        try:
+            await h.upstream.probe(lease, {"model": "tensorgate/sim-5090", "stream": True, "max_tokens": 4,
+                                           "messages": [{"role": "user", "content": "hi"}]})
+        finally:
+            h.router.release(lease)
+    failures = [x.failure for x in h.measurements() if not x.ok]
+    assert failures == [] and m.server.refused_busy == 0

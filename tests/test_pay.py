@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -91,24 +92,29 @@ def test_a_client_left_hanging_past_the_ttft_band_is_the_miners_timeout() -> Non
 def test_load_allowance_needs_shown_speed_and_stops_at_declared_slots() -> None:
     """Load from other validators: a card that has shown full speed is judged at its declared slots."""
     loaded_rate = 300.0 / 2  # one invisible stream shares the card
+
+    def long(hk: str, *, rate: float, slots: int = 4) -> Measurement:
+        # 256 tokens, first token at the band's edge: on time exactly when the rate is the expected one
+        return answer(hk, tokens=256, max_tokens=256, ttft=CFG.full_band_s, rate=rate, slots=slots)
+
     acc = RoundAccumulator(CFG)
     for _ in range(5):
-        acc.add(answer("shown", rate=loaded_rate))
+        acc.add(long("shown", rate=loaded_rate))
     assert acc.miners["shown"].score == 0.0  # 150 tok/s against 440 expected at concurrency 1
     for _ in range(SHOWN_SPEED_MIN):
-        acc.add(answer("shown", rate=440.0))
+        acc.add(long("shown", rate=440.0))
     assert acc.miners["shown"].allowed_load and acc.miners["shown"].score == pytest.approx(1.0)
     # a card that is never fast gets no allowance: a slow card cannot hide behind invisible load
     slow = RoundAccumulator(CFG)
     for _ in range(10):
-        slow.add(answer("slow", rate=loaded_rate))
+        slow.add(long("slow", rate=loaded_rate))
     assert not slow.miners["slow"].allowed_load and slow.miners["slow"].score == 0.0
     # the allowance stops at the slots it declares: 2 slots cannot excuse a card shared 8 ways
     over = RoundAccumulator(CFG)
     for _ in range(SHOWN_SPEED_MIN):
-        over.add(answer("over", rate=440.0, slots=2))
+        over.add(long("over", rate=440.0, slots=2))
     for _ in range(5):
-        over.add(answer("over", rate=300.0 / 8, slots=2))
+        over.add(long("over", rate=300.0 / 8, slots=2))
     assert over.miners["over"].allowed_load
     assert over.miners["over"].score == pytest.approx(SHOWN_SPEED_MIN / (SHOWN_SPEED_MIN + 5))
 
@@ -163,3 +169,74 @@ def test_value_survives_a_restart(tmp_path) -> None:
         again = Scorer(CFG, clock=lambda: t[0])
         assert again.restore(st)
         assert again.settled_values() == pytest.approx(before)
+
+
+# -- issue 23: numbers the miner chooses ----------------------------------------------------------------
+
+
+def held(m: Measurement) -> Measurement:
+    """The same answer with its first token held back and everything sent in one burst at the end."""
+    return dataclasses.replace(m, ttft_s=m.latency_s, concurrency=None)
+
+
+@pytest.mark.parametrize("rate", [440.0, 300.0, 220.0, 150.0])
+@pytest.mark.parametrize("tokens", [64, 128, 512])
+def test_holding_the_first_token_never_raises_credit(rate: float, tokens: int) -> None:
+    """A card of any speed earns at most its streaming credit by holding its answer and bursting it."""
+    honest = answer(tokens=tokens, max_tokens=tokens, ttft=0.45, rate=rate)
+    assert (request_credit(held(honest), CFG) or 0.0) <= (request_credit(honest, CFG) or 0.0) + 1e-9
+    acc_h, acc_b = RoundAccumulator(CFG), RoundAccumulator(CFG)
+    for _ in range(5):
+        acc_h.add(dataclasses.replace(honest, capacity_check=True))
+        acc_b.add(dataclasses.replace(held(honest), capacity_check=True))
+    assert acc_b.miners["a"].score <= acc_h.miners["a"].score + 1e-9
+    # the capacity check reads the same delivered rate from both: the burst shows no extra cards
+    assert acc_b.miners["a"].capacity_rates == pytest.approx(acc_h.miners["a"].capacity_rates)
+
+
+def test_a_half_speed_card_is_judged_by_when_its_answer_is_complete() -> None:
+    """Issue 23's burst cheat: before, holding turned credit ~0 into 1. The clock starts at dispatch now."""
+    streamed = answer(tokens=256, max_tokens=256, ttft=0.45, rate=220.0)
+    # complete at (0.5 + 255/440) / (0.45 + 255/220) = 0.67 of an honest card's time: partial credit
+    assert request_credit(streamed, CFG) == pytest.approx((1.0795 / 1.6091 - 0.5) / 0.3, abs=1e-3)
+    assert request_credit(held(streamed), CFG) == 0.0  # the burst: its first token 1.6 s late, decode unchanged
+    fast = answer(tokens=256, max_tokens=256, ttft=0.45, rate=440.0)
+    assert request_credit(fast, CFG) == 1.0 and (request_credit(held(fast), CFG) or 0.0) < 0.5  # held: TTFT 1.03 s
+
+
+def test_unaudited_pay_is_held_until_an_audit_passes_and_forfeited_by_a_failure() -> None:
+    from scoring.pay import PayWindow, RoundPay
+
+    w = PayWindow(4)
+    w.push({"a": RoundPay(verified=0.0, unverified=0.8), "b": RoundPay(verified=0.1, unverified=0.8, passed=2)})
+    assert w.settled() == {"a": 0.0, "b": pytest.approx(0.9)}  # a: nothing confirmed yet, held
+    assert w.held()["a"] == pytest.approx(0.8)
+    w.push({"a": RoundPay(verified=0.1, unverified=0.8, passed=1)})
+    assert w.settled()["a"] == pytest.approx((0.1 + 1.6) / 2)  # one audit passed: the held pay is paid
+    w.push({"b": RoundPay(verified=0.1, unverified=0.8, passed=3, failed=1)})
+    assert w.settled()["b"] == pytest.approx((0.1 + 0.1) / 3)  # a failure forfeits the window's unaudited pay
+    w.push({"a": RoundPay(verified=0.2, unverified=0.8, passed=5, quarantined=True)})
+    assert w.settled()["a"] == 0.0  # quarantined at a close in the window: the window settles at 0
+    for _ in range(3):
+        w.push({"a": RoundPay(verified=0.2, unverified=0.8, passed=5)})
+    assert w.settled()["a"] == 0.0  # still in the window
+    w.push({"a": RoundPay(verified=0.2, unverified=0.8, passed=5)})
+    assert w.settled()["a"] == pytest.approx(1.0)  # the quarantined round left the window
+    w.push({"a": RoundPay(verified=float("nan"), unverified=-3.0, passed=1)})
+    assert math.isfinite(w.settled()["a"])
+
+
+def test_junk_served_to_users_is_not_paid_when_probes_pass() -> None:
+    """Honest to probes, junk to users: one failed audit of a user's answer forfeits all it served unaudited."""
+    s = Scorer(CFG, window=3, audits=True)
+    for _ in range(3):
+        s.record(answer("cheat", probe=True, audited=True))  # probes: audited, passed
+        for _ in range(9):
+            s.record(answer("cheat"))  # users' answers nobody looked at
+        s.record(dataclasses.replace(answer("cheat"), ok=False, failure=FailureReason.AUDIT_FAILED, audited=True))
+        s.record(answer("honest", probe=True, audited=True))
+        for _ in range(10):
+            s.record(answer("honest"))
+        s.close_round(round_s=ROUND_S)
+    values = s.settled_values()
+    assert values["cheat"] == 0.0 and values["honest"] > 0.0

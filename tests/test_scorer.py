@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from scoring.capacity import UNMEASURED
 from scoring.credit import CreditConfig
 from scoring.measurement import FailureReason, Measurement, MeasurementSink
 from scoring.scorer import Scorer
@@ -23,8 +24,9 @@ class Clock:
 
 
 def ok(hotkey: str, uid: int, ttft: float, probe: bool = False) -> Measurement:
-    return Measurement(uid=uid, hotkey=hotkey, in_flight=0, prompt_tokens=0, max_tokens=64, ttft_s=ttft,
-                       latency_s=ttft + 63 / 440.0, completion_tokens=64, ok=True, probe=probe)
+    # 8 tokens, under min_decode_tokens: decode is not judged, so credit is the TTFT credit.
+    return Measurement(uid=uid, hotkey=hotkey, in_flight=0, prompt_tokens=0, max_tokens=8, ttft_s=ttft,
+                       latency_s=ttft + 7 / 440.0, completion_tokens=8, ok=True, probe=probe)
 
 
 def failed(hotkey: str, uid: int, reason: FailureReason) -> Measurement:
@@ -92,11 +94,12 @@ def test_routing_latest_round_and_settled_for_unasked_miners() -> None:
     clock = Clock()
     s = Scorer(CreditConfig(), window=4, clock=clock)
     play_round(s, clock, {("a", 1): [0.2], ("b", 2): [0.2], ("c", 3): [1.5]})
-    assert s.routing_scores() == {"a": 1.0, "b": 1.0, "c": 0.0}
+    # no capacity check ran: every credit is routed at the unmeasured multiplier
+    assert s.routing_scores() == {"a": UNMEASURED, "b": UNMEASURED, "c": 0.0}
     play_round(s, clock, {("a", 1): [1.0]})  # a slows down; b and c got no requests
     r = s.routing_scores()
-    assert r["a"] == pytest.approx(0.5)  # latest round wins over a's settled 0.75
-    assert r["b"] == pytest.approx(0.5)  # settled: (1 + 0) / 2
+    assert r["a"] == pytest.approx(0.5 * UNMEASURED)  # latest round wins over a's settled 0.75
+    assert r["b"] == pytest.approx(0.5 * UNMEASURED)  # settled: (1 + 0) / 2
     assert r["c"] == 0.0  # a failing miner stays at 0, it does not fall back to the prior
     assert s.settled() == {"a": pytest.approx(0.75), "b": pytest.approx(0.5), "c": 0.0}
     for _ in range(3):
@@ -127,9 +130,9 @@ def test_format_table() -> None:
     row = lines[2].split()
     assert row[0] == "12" and row[1] == "5FHne..694ty"
     assert row[2] == "2" and row[4] == "0.500"  # requests, ttft p50
-    assert row[6] == "0.875" and row[7] == "0.875" and row[8] == "1.00" and row[11] == "1.000"
-    assert row[9] == "0.29"  # two answers of 64 tokens at 440 tok/s: 0.29 card-seconds
-    assert float(row[10]) == pytest.approx(2 * 64 / 440 * 0.875 / ROUND_S, abs=1e-4)
+    assert row[6] == "0.875" and row[7] == "0.875" and row[8] == "0.50" and row[11] == "1.000"  # 0.50: unmeasured
+    assert row[9] == "0.04"  # two answers of 8 tokens at 440 tok/s: 0.036 card-seconds
+    assert float(row[10]) == pytest.approx(2 * 8 / 440 * 0.875 / ROUND_S, abs=1e-5)
     assert report.format_table().splitlines()[2].split()[11] == "-"
 
 

@@ -29,7 +29,8 @@ def make_round(idx: int, n: int = 3, at: float = 1000.0) -> StoredRound:
     miners = [
         StoredMiner(hotkey=f"hk{i}", uid=i, score=(i + idx) % 10 / 10, requests=10 + i, measured=9 + i,
                     credit_sum=1.5 * i, ttft_p50=0.2 + i / 100, ttft_p95=None if i == 0 else 0.4,
-                    failures={"timeout": i} if i else {}, work_s=2.5 * i, value=0.01 * i)
+                    failures={"timeout": i} if i else {}, work_s=2.5 * i, value=0.01 * i, unverified=0.1 * i,
+                    audits_passed=i, audits_failed=i % 2, quarantined=i == 2)
         for i in range(n)
     ]
     return StoredRound(idx, at + idx, miners)
@@ -257,21 +258,27 @@ def test_audits_and_strikes_round_trip_and_are_bounded(tmp_path: Path) -> None:
         assert st.load_strikes() == {"hk0": {"recent": [0, 0], "quarantined_at": 7.0, "clean_run": 0}}
 
 
-@pytest.mark.parametrize("old", [1, 2])
+@pytest.mark.parametrize("old", [1, 2, 3])
 def test_an_older_file_is_migrated_without_losing_rounds(tmp_path: Path, old: int) -> None:
     path = tmp_path / "v.sqlite"
     with ScoreStore(path) as st:
         st.save_round(make_round(1), routing={"hk0": 0.3})
-        st._conn.execute("ALTER TABLE round_miners DROP COLUMN work_s")  # what schema 2 looks like
-        st._conn.execute("ALTER TABLE round_miners DROP COLUMN value")
-        st._conn.execute("DROP TABLE key_usage")
+        for column in ("unverified", "audits_passed", "audits_failed", "quarantined"):  # what schema 3 looks like
+            st._conn.execute(f"ALTER TABLE round_miners DROP COLUMN {column}")
+        if old <= 2:
+            st._conn.execute("ALTER TABLE round_miners DROP COLUMN work_s")  # what schema 2 looks like
+            st._conn.execute("ALTER TABLE round_miners DROP COLUMN value")
+            st._conn.execute("DROP TABLE key_usage")
         if old == 1:
             st._conn.execute("DROP TABLE audits")  # and schema 1
         st._conn.execute(f"PRAGMA user_version = {old}")
     with ScoreStore(path) as st:
-        assert st._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
-        unpaid = [dataclasses.replace(m, work_s=0.0, value=0.0) for m in make_round(1).miners]
-        assert st.load_rounds(5) == [dataclasses.replace(make_round(1), miners=unpaid)]  # older rounds: worth 0
+        assert st._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        # schema 3 rounds keep their value, all of it verified (as it was paid); older rounds are worth 0
+        kept = [dataclasses.replace(m, unverified=0.0, audits_passed=0, audits_failed=0, quarantined=False,
+                                    work_s=m.work_s if old == 3 else 0.0, value=m.value if old == 3 else 0.0)
+                for m in make_round(1).miners]
+        assert st.load_rounds(5) == [dataclasses.replace(make_round(1), miners=kept)]
         assert st.recent_audits(5) == []
 
 

@@ -86,9 +86,12 @@ async def test_supervised_task_is_restarted_after_a_crash() -> None:
     assert restarts["flaky"] == 2
 
 
+NET = ["--netuid", "7", "--gateway.model", "org/model", "--audit.off"]  # what a real network needs at the least
+
+
 def test_cli_flags_in_bittensor_conventions(tmp_path: Path) -> None:
     cfg = parse_args([
-        "--netuid", "7", "--network", "test", "--wallet.name", "vali", "--wallet.hotkey", "hk",
+        *NET, "--network", "test", "--wallet.name", "vali", "--wallet.hotkey", "hk",
         "--wallet.path", str(tmp_path), "--gateway.port", "9001", "--state-dir", str(tmp_path / "s"),
         "--round.seconds", "60", "--settlement.rounds", "6", "--weights.interval", "50", "--weights.dry-run",
     ])
@@ -99,12 +102,13 @@ def test_cli_flags_in_bittensor_conventions(tmp_path: Path) -> None:
 
 
 def test_audit_and_real_mode_flags(tmp_path: Path) -> None:
-    cfg = parse_args(["--audit.model", str(tmp_path / "m.gguf"), "--audit.rate", "0.25", "--audit.queue", "9",
-                      "--credit.profile", "cpu-gemma270m", "--probes.mix", "cpu"])
+    cfg = parse_args(["--netuid", "7", "--gateway.model", "org/model", "--audit.model", str(tmp_path / "m.gguf"),
+                      "--audit.rate", "0.25", "--audit.queue", "9", "--credit.profile", "cpu-gemma270m",
+                      "--probes.mix", "cpu"])
     assert (cfg.audit_model, cfg.audit_rate, cfg.audit_queue) == (str(tmp_path / "m.gguf"), 0.25, 9)
     assert (cfg.credit_profile, cfg.prompt_mix) == ("cpu-gemma270m", "cpu")
-    assert parse_args(["--gateway.drain-seconds", "12"]).drain_s == 12.0
-    assert parse_args(["--gateway.first-byte-budget", "9"]).first_byte_budget_s == 9.0
+    assert parse_args([*NET, "--gateway.drain-seconds", "12"]).drain_s == 12.0
+    assert parse_args([*NET, "--gateway.first-byte-budget", "9"]).first_byte_budget_s == 9.0
     from neurons.validator.build import build_parts
 
     parts = build_parts(ValidatorConfig(drain_s=7.0, first_byte_budget_s=9.0, gateway_port=0), dev_keypair("Alice"))
@@ -115,9 +119,30 @@ def test_audit_and_real_mode_flags(tmp_path: Path) -> None:
     for bad in (["--local", "--local.cheat", "random"],  # cheats need the real model
                 ["--local", "--audit.model", "packaged"],  # simulated cards cannot pass an audit
                 ["--local.cheat", "nonsense"],
-                ["--audit.model", "toy"]):  # the toy model is only the simulated cards'
+                [*NET[:4], "--audit.model", "toy"]):  # the toy model is only the simulated cards'
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--gateway.model", "org/model", "--audit.off"], "--netuid is required"),
+    (["--netuid", "7", "--audit.off"], "--gateway.model is required"),
+    (["--netuid", "7", "--gateway.model", "tensorgate/sim-5090", "--audit.off"], "simulated card"),
+    (["--netuid", "7", "--gateway.model", "org/model"], "no reference to verify answers"),
+    ([*NET, "--audit.model", "packaged"], "contradict"),
+])
+def test_a_real_network_needs_its_netuid_model_and_a_reference(argv: list[str], says: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Safe defaults where weights are real (issue 23): nothing falls back to the local subnet's stand-ins."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    cfg = parse_args(["--netuid", "7", "--gateway.model", "org/model", "--audit.url", "http://127.0.0.1:9"])
+    assert (cfg.netuid, cfg.models, cfg.audit_off) == (7, ["org/model"], False)
+    local = parse_args(["--local"])  # the local subnet keeps its stand-ins
+    assert (local.netuid, local.models, local.audit_model) == (1, ["tensorgate/sim-5090"], "none")
 
 
 def test_real_mode_moves_defaults_to_the_cpu() -> None:
@@ -205,7 +230,7 @@ async def test_dry_run_sets_nothing(tmp_path: Path) -> None:
 def test_operator_mistakes_exit_2_with_one_clear_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from neurons.validator import main
 
-    assert main(["--wallet.name", "nope", "--wallet.path", str(tmp_path / "wallets"),
+    assert main([*NET, "--wallet.name", "nope", "--wallet.path", str(tmp_path / "wallets"),
                  "--state-dir", str(tmp_path / "s1")]) == 2
     assert "btcli wallet new-hotkey" in capfd.readouterr().err
 

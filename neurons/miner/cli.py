@@ -48,8 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Gemma 3 270M; each slot gets its own context and --runtime.threads threads")
     p.add_argument("--runtime.threads", dest="runtime_threads", type=int, default=1,
                    help="CPU threads per slot of --runtime.gguf")
-    p.add_argument("--runtime.sim", dest="runtime_sim", default="rtx5090",
-                   help="simulated card when no --runtime.url: NAME or NAME:key=value,... (e.g. rtx5090-slow)")
+    p.add_argument("--runtime.sim", dest="runtime_sim", default=None,
+                   help="serve a simulated card: NAME or NAME:key=value,... (e.g. rtx5090-slow); the default "
+                        "(rtx5090) only with --dev-key, for local testing: a simulated card earns nothing on a "
+                        "real subnet, its answers fail every audit")
     p.add_argument("--runtime.seed", dest="runtime_seed", type=int, default=None, help="seed of the simulated card")
     p.add_argument("--allow", action="append", default=[], metavar="HOTKEY",
                    help="trust this validator hotkey (repeatable); without it, trust the metagraph's permit holders")
@@ -63,9 +65,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.slots < 1:
         p.error("--slots must be >= 1")
-    if args.runtime_url and args.runtime_gguf:
-        p.error("--runtime.url and --runtime.gguf are two runtimes: pass one")
-    if args.runtime_url is None and args.runtime_gguf is None:
+    named = [flag for flag, v in (("--runtime.url", args.runtime_url), ("--runtime.gguf", args.runtime_gguf),
+                                  ("--runtime.sim", args.runtime_sim)) if v is not None]
+    if len(named) > 1:
+        p.error(f"{' and '.join(named)} are {len(named)} runtimes: pass one")
+    if not named:
+        if not args.dev_key:
+            p.error("no runtime: pass --runtime.url (vLLM, SGLang, llama-server), --runtime.gguf PATH|packaged, "
+                    "or --runtime.sim NAME to serve a simulated card on purpose (local testing: --dev-key)")
+        args.runtime_sim = "rtx5090"  # local testing with a development key: the simulated card by default
+    if args.runtime_sim is not None:
         try:
             parse_profile(args.runtime_sim)
         except ValueError as e:

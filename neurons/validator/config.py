@@ -52,6 +52,7 @@ class ValidatorConfig:
     # Verified inference: the reference that audits answers ("none", "packaged", or a GGUF file path).
     audit_model: str = "none"
     audit_url: str | None = None  # a reference service (python -m neurons.reference) instead of a model in process
+    audit_off: bool = False  # run without a reference on a real network, on purpose: logged every round
     audit_rate: float = 0.1
     audit_queue: int = 256
     audit_threads: int = 1
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d = ValidatorConfig()
     chain = p.add_argument_group("chain")
-    chain.add_argument("--netuid", type=int, default=d.netuid, help="subnet to validate")
+    chain.add_argument("--netuid", type=int, default=None, help="subnet to validate (required off --local)")
     chain.add_argument("--network", default=d.network, help="finney | test | local | ws://host:port")
     chain.add_argument("--wallet.name", dest="wallet_name", default=d.wallet_name, help="coldkey wallet name")
     chain.add_argument("--wallet.hotkey", dest="wallet_hotkey", default=d.wallet_hotkey, help="hotkey name")
@@ -97,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="models",
         action="append",
         default=None,
-        help=f"model name the gateway serves (repeatable; default {DEFAULT_MODEL})",
+        help=f"model name the gateway serves (repeatable; required off --local; the local subnet's default is "
+             f"{DEFAULT_MODEL})",
     )
     gw.add_argument("--gateway.max-retries", dest="max_retries", type=int, default=d.max_retries,
                     help="other miners tried before the first byte when one refuses or fails")
@@ -149,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--audit.url", dest="audit_url", default=None,
                     help="a reference service ('python -m neurons.reference', e.g. on a GPU box) instead of "
                          "--audit.model in process; $TENSORGATE_AUDIT_KEY is its bearer key when set")
+    au.add_argument("--audit.off", dest="audit_off", action="store_true",
+                    help="run a real network without a reference: nothing is verified and every answer is paid as "
+                         "measured (a random-word miner earns like an honest card); logged every round and shown "
+                         "in /v1/status. Off --local, the validator refuses to start with neither this nor "
+                         "--audit.model / --audit.url")
     au.add_argument("--audit.rate", dest="audit_rate", type=float, default=d.audit_rate,
                     help="share of organic answers audited (probes are always audited)")
     au.add_argument("--audit.queue", dest="audit_queue", type=int, default=d.audit_queue,
@@ -186,8 +193,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
     values = vars(ns)
+    local = bool(values["local"])
+    if not local:  # weights are real here: nothing may default to the local subnet's stand-ins
+        if values["netuid"] is None:
+            parser.error("--netuid is required: the subnet this validator sets weights on")
+        if not values.get("models"):
+            parser.error("--gateway.model is required: the name of the model the subnet serves "
+                         f"({DEFAULT_MODEL} is the local subnet's simulated card)")
+        if DEFAULT_MODEL in values["models"]:
+            parser.error(f"{DEFAULT_MODEL} is the local subnet's simulated card, not a model miners serve")
+        if values["audit_model"] == "none" and not values["audit_url"] and not values["audit_off"]:
+            parser.error("no reference to verify answers: pass --audit.model (packaged or a GGUF of the subnet's "
+                         "model) or --audit.url (a reference service), or --audit.off to pay unverified answers "
+                         "on purpose")
+    if values["audit_off"] and (values["audit_model"] != "none" or values["audit_url"]):
+        parser.error("--audit.off and a reference (--audit.model / --audit.url) contradict each other: pass one")
+    if values["netuid"] is None:
+        values["netuid"] = ValidatorConfig.netuid
     if not values.get("models"):
         values["models"] = [DEFAULT_MODEL]
     values["state_dir"] = Path(os.path.expanduser(str(values["state_dir"])))

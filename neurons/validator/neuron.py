@@ -247,9 +247,9 @@ class Validator:
     async def close_round(self) -> RoundLog:
         """Score the round, republish routing, persist it (on the store thread), log the table."""
         await self._drain()
-        report = self.scorer.close_round(time.time())
-        self.router.set_scores(self.scorer.routing_scores())
         quarantined = self.quarantined()
+        report = self.scorer.close_round(time.time(), quarantined=quarantined)
+        self.router.set_scores(self.scorer.routing_scores())
         weights = self.scorer.weights(self.hotkey_to_uid, exclude=quarantined)
         table = report.format_table(weights=weights, quarantined=quarantined)
         if self.auditor is not None:
@@ -257,6 +257,8 @@ class Validator:
             table += (f"\naudits: {c['passed']} passed, {c['failed']} failed, {c['dropped']} dropped (queue full), "
                       f"{c['unauditable']} too long, {c['errors']} reference errors; backlog {self.auditor.backlog}; "
                       f"quarantined: {len(quarantined)}")
+        elif self.cfg.audit_off:
+            table += "\naudits: OFF (--audit.off): no answer is verified, every answer is paid as measured"
         self.rounds_closed += 1
         entry = RoundLog(index=self.rounds_closed, table=table, weights=weights)
         self.recent_rounds.append(entry)

@@ -4,8 +4,11 @@ Pure bookkeeping, keyed by hotkey (a re-registered UID starts clean; a hotkey th
 its record). Each audit outcome joins the hotkey's window of its last ``window`` audits; a failed
 audit is a strike. A hotkey with ``threshold`` strikes in its window is **quarantined**: left out of
 organic routing and paid 0, while probes keep reaching it and every answer it gives is audited. It
-is released after ``release_after`` audits in a row pass, with a clean window. One honest false
-failure stays below a threshold of 2; a cheater's failures come in runs.
+is released after ``release_after`` audits in a row pass. Its strikes stay in its window (issue 23:
+release used to clear them, so a miner that served probes well and users junk cycled in and out):
+a released hotkey whose window still holds ``threshold - 1`` strikes goes back at its next failed
+audit, and a passed audit never quarantines. One honest false failure stays below a threshold of 2;
+a cheater's failures come in runs. What quarantine costs in pay is :class:`scoring.pay.PayWindow`'s.
 
 Example::
 
@@ -68,7 +71,7 @@ class StrikeBook:
         if not passed:
             r.failures += 1
         if r.quarantined_at is None:
-            if r.strikes >= self.policy.threshold:
+            if not passed and r.strikes >= self.policy.threshold:
                 r.quarantined_at = at
                 r.clean_run = 0
                 return True
@@ -77,7 +80,6 @@ class StrikeBook:
         if r.clean_run >= self.policy.release_after:
             r.quarantined_at = None
             r.clean_run = 0
-            r.recent.clear()
             return True
         return False
 

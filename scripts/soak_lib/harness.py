@@ -384,7 +384,7 @@ async def _cancelled(task: asyncio.Task[Any]) -> None:
 
 def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[_Miner], alive: dict[str, bool],
            batch: list[Measurement], hk2uid: dict[str, int], quarantined: set[str] | None = None) -> None:
-    report = scorer.close_round()
+    report = scorer.close_round(quarantined=quarantined or frozenset())
     router.set_scores(scorer.routing_scores())
     weights = scorer.weights(hk2uid, exclude=quarantined or set())
     rows = report.by_hotkey()
