@@ -22,7 +22,10 @@ Why this shape, against what miners were seen doing (issue 14):
   stop there (when the validator audits at all): two tokens and ``stop`` is otherwise worth 0, and an
   audited early stop that the model would have continued fails its audit.
 * A prompt is paid at prefill speed, which is the work it takes; a long prompt answered fast earns no
-  more than that.
+  more than that, and never more than the time to first token shows was spent: an answer that comes
+  before the prompt could have been read was not computed now (issue 23: a miner whose owner sent it
+  long prompts through the gateway and answered them at once, precomputed, earned 1.05-1.06x an honest
+  card on their prefill pay). Prefix caching an honest runtime does is paid as the time it takes.
 
 Only verified work is paid (issue 23: 11,264 unaudited junk tokens were paid in one run). Where the
 validator audits, a round's value comes in two parts: **verified** (answers an audit passed) and
@@ -80,7 +83,11 @@ def work_s(m: Measurement, cfg: CreditConfig, *, audits: bool) -> float:
     if tokens == 0:
         return 0.0
     prompt = m.prompt_tokens if isinstance(m.prompt_tokens, int) and m.prompt_tokens > 0 else 0
-    return tokens / peak_decode_rate(cfg) + prompt / cfg.prefill_tok_s
+    prefill_s = prompt / cfg.prefill_tok_s
+    ttft = m.ttft_s
+    if isinstance(ttft, int | float) and math.isfinite(ttft):
+        prefill_s = min(prefill_s, max(0.0, ttft))
+    return tokens / peak_decode_rate(cfg) + prefill_s
 
 
 def round_value(work: float, quality: float, round_s: float) -> float:

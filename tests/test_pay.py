@@ -33,7 +33,7 @@ def test_work_is_card_time_of_paid_tokens_and_prompt() -> None:
     m = answer(tokens=64, prompt=2400)
     assert work_s(m, CFG, audits=True) == pytest.approx(64 / 440 + 2400 / 24000)
     # a long prompt is paid the prefill time it takes, no more: 10x the prompt is +0.9 card-seconds
-    assert work_s(answer(prompt=24000), CFG, audits=True) - work_s(answer(prompt=2400), CFG, audits=True) == \
+    assert work_s(answer(prompt=24000, ttft=1.5), CFG, audits=True) - work_s(answer(prompt=2400), CFG, audits=True) == \
         pytest.approx(0.9)
 
 
@@ -240,3 +240,11 @@ def test_junk_served_to_users_is_not_paid_when_probes_pass() -> None:
         s.close_round(round_s=ROUND_S)
     values = s.settled_values()
     assert values["cheat"] == 0.0 and values["honest"] > 0.0
+
+
+def test_a_prompt_is_paid_no_more_prefill_than_the_time_to_first_token_shows() -> None:
+    """The self-dealer (issue 23): its own 4,000-token prompts answered at once, precomputed."""
+    honest = answer(prompt=4000, ttft=0.62)
+    assert work_s(honest, CFG, audits=False) == pytest.approx(64 / 440 + 4000 / 24000)  # 0.17 s of prefill < TTFT
+    instant = answer(prompt=4000, ttft=0.001)
+    assert work_s(instant, CFG, audits=False) == pytest.approx(64 / 440 + 0.001)

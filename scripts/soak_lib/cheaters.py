@@ -14,6 +14,19 @@ menus), so the scenario tests the pay rules, not how well probes are disguised.
   once with the model's own answer, computed beforehand (no prefill, no decode, no card time now: it
   passes its audits), everything else honestly.
 
+Issue 23's cheats, each given a perfect oracle too (of the capacity check's streams, or of probes):
+
+* ``hold-check``: an honest card that computes each capacity-check stream's real answer, holds its first
+  token and sends everything at once at the end (on a card whose rate was timed from its first token,
+  that read as any speed it liked), and serves everything else honestly.
+* ``hold-check-429``: the same on the check, and a 429 for anything else while its card is busy (four
+  1-slot hotkeys on one card).
+* ``slot-liar``: 429 whenever its card is busy, declaring ``X-Miner-Slots: 1`` on each 429 while its
+  answers declare its real slots (the refusal used to be judged on the 429's own header).
+* ``burst``: every answer computed, held and sent in one write (a half-speed card hiding its speed).
+* ``cycler``: honest to probes, junk to users (another prompt's answer, at the card's speed): it
+  fails the audits of the users' answers it is sampled on and cycles through quarantine.
+
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
 
@@ -40,7 +53,8 @@ from neurons.model.toy import MODEL as TOY
 
 from .load import CardRuntime
 
-CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer")
+CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer", "hold-check", "hold-check-429",
+          "slot-liar", "burst", "cycler")
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
 HANG_S = 3600.0  # "until the client gives up": the validator's first-token deadline ends it long before
 
@@ -48,14 +62,15 @@ HANG_S = 3600.0  # "until the client gives up": the validator's first-token dead
 class CheatRuntime:
     """One hotkey's view of a (possibly shared) card, with a lie on top."""
 
-    def __init__(self, card: CardRuntime, cheat: str, *, slots: int,
-                 is_probe: Callable[[dict[str, Any]], bool]) -> None:
+    def __init__(self, card: CardRuntime, cheat: str, *, slots: int, is_probe: Callable[[dict[str, Any]], bool],
+                 is_check: Callable[[dict[str, Any]], bool] = lambda _: False) -> None:
         if cheat not in CHEATS:
             raise ValueError(f"unknown cheat {cheat!r}; known: {', '.join(CHEATS)}")
         self.card = card
         self.cheat = cheat
         self.slots = slots
         self.is_probe = is_probe
+        self.is_check = is_check
         self.name = f"cheat:{cheat}:{card.name}"
         self.refused = 0
 
@@ -73,26 +88,47 @@ class CheatRuntime:
     def set_profile(self, profile: Any) -> None:
         self.card.set_profile(profile)
 
-    def _refuse(self) -> RuntimeFailure:
+    def _refuse(self, declared: int | None = None) -> RuntimeFailure:
         self.refused += 1
         return RuntimeFailure("busy", status=429, type="busy", code="busy",
-                              headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
+                              headers={"Retry-After": "0", SLOTS_HEADER: str(declared or self.slots)})
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-        if self.cheat == "self-dealer":
+        cheat = self.cheat
+        if cheat == "self-dealer":
             if SELF_MARK in _key(payload):
                 yield _instant_answer(payload)
                 return
-        elif self.cheat == "refuse-when-card-busy":
+        elif cheat == "refuse-when-card-busy":
             if self.card.active > 0:
                 raise self._refuse()
+        elif cheat == "slot-liar":
+            if self.card.active > 0:
+                raise self._refuse(declared=1)
+        elif cheat in ("hold-check", "hold-check-429", "burst"):
+            if cheat == "burst" or self.is_check(payload):
+                yield await self._held(payload)
+                return
+            if cheat == "hold-check-429" and self.card.active > 0:
+                raise self._refuse()
+        elif cheat == "cycler":
+            if not self.is_probe(payload):  # junk for users: another prompt's answer, at the card's own speed
+                payload = {**payload, "messages": [{"role": "user", "content": "something else entirely"}]}
         elif not self.is_probe(payload):
-            if self.cheat == "probes-only":
+            if cheat == "probes-only":
                 raise self._refuse()
             await asyncio.sleep(HANG_S)
         async with contextlib.aclosing(self.card.stream(payload)) as frames:
             async for chunk in frames:
                 yield chunk
+
+    async def _held(self, payload: dict[str, Any]) -> bytes:
+        """The card's real answer, computed in full and held: all of it in one write at the end."""
+        parts: list[bytes] = []
+        async with contextlib.aclosing(self.card.stream(payload)) as frames:
+            async for chunk in frames:
+                parts.append(chunk)
+        return b"".join(parts)
 
 
 def _instant_answer(payload: dict[str, Any]) -> bytes:
@@ -109,16 +145,23 @@ def _instant_answer(payload: dict[str, Any]) -> bytes:
 
 
 class ProbeOracle:
-    """Remembers the validator's probe prompts, so a cheater can be told them apart perfectly."""
+    """Remembers the validator's probe prompts (and which were capacity-check streams), so a cheater can be
+    told them apart perfectly."""
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
+        self._checks: set[str] = set()
 
-    def remember(self, payload: dict[str, Any]) -> None:
+    def remember(self, payload: dict[str, Any], *, check: bool = False) -> None:
         self._seen.add(_key(payload))
+        if check:
+            self._checks.add(_key(payload))
 
     def __call__(self, payload: dict[str, Any]) -> bool:
         return _key(payload) in self._seen
+
+    def is_check(self, payload: dict[str, Any]) -> bool:
+        return _key(payload) in self._checks
 
 
 def _key(payload: dict[str, Any]) -> str:

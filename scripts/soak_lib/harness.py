@@ -116,6 +116,19 @@ class _Prompts(PromptGenerator):
         return p
 
 
+class _Probes(ProbeRunner):
+    """The validator's probe runner, telling the oracle which payloads are capacity-check streams."""
+
+    def __init__(self, *args: Any, oracle: ProbeOracle, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._oracle = oracle
+
+    def _check_payload(self) -> dict[str, Any]:
+        payload = super()._check_payload()
+        self._oracle.remember(payload, check=True)
+        return payload
+
+
 Runtime = CardRuntime | MultiCardRuntime | CheatRuntime
 
 
@@ -162,7 +175,7 @@ def _runtimes(sc: Scenario, opts: RunOptions, rng: random.Random, oracle: ProbeO
             base = _runtime_for(spec, opts, rng, sc.util_ttft)
         if spec.cheat:
             assert isinstance(base, CardRuntime), "cheats run on one card"
-            out.append(CheatRuntime(base, spec.cheat, slots=spec.slots, is_probe=oracle))
+            out.append(CheatRuntime(base, spec.cheat, slots=spec.slots, is_probe=oracle, is_check=oracle.is_check))
         else:
             out.append(base)
     return out
@@ -239,7 +252,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens)
         probe_prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens, oracle)
         traffic_rng = random.Random(rng.random())
-        probes = ProbeRunner(router, upstream.probe, probe_prompts, MODEL, random.Random(rng.random()))
+        probes = _Probes(router, upstream.probe, probe_prompts, MODEL, random.Random(rng.random()), oracle=oracle)
         alive = {m.label: True for m in miners}
 
         async def post(body: dict[str, Any], label: str = "") -> None:

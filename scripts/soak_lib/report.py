@@ -27,6 +27,9 @@ CHEAT_BOUND = 1.0  # a cheater's final weight over an honest card's (mean of the
 SPLIT_BOUND = 1.05  # one card as several hotkeys, all of them together, over the same card as one hotkey
 NO_WORK_BOUND = 0.1  # a cheater with no real work to show (probes only, two-token answers): ~0
 BACKGROUND_CREDIT_TOLERANCE = 0.05  # settled credit of a card carrying other validators' load vs unloaded
+BACKGROUND_WEIGHT_FLOOR = 0.85  # ... and its weight over an unloaded honest card's
+HONEST_WEIGHT_SPREAD = 1.15  # identical honest cards: the highest weight over the lowest
+SAME_CARD_BOUND = 1.05  # a cheat on a card over the same card serving honestly
 CAPACITY_WEIGHT_BAND = (1.6, 2.4)  # twice the cards and slots: about twice the weight
 DOMINANT_MARGIN = 0.15  # a round's top-share miner counts as dominant above 1/n + this
 
@@ -177,13 +180,25 @@ def _adversarial_targets(sc: Scenario, S: dict[str, MinerSeries]) -> list[Target
         out.append(Target(f"cheater {name!r} ({what}) ends at <= {bound}x an honest card's weight", ratio <= bound,
                           f"weight {w:.4f} vs honest {honest_w:.4f}: {ratio:.2f}x; settled credit "
                           f"{sum(S[x].settled[-1] for x in labels) / len(labels):.3f}"))
+    for cheat, same in sc.same_card:
+        w, ws = S[cheat].weight[-1], S[same].weight[-1]
+        ratio = w / ws if ws > 0 else (0.0 if w <= 0 else math.inf)
+        vs_honest = w / honest_w if honest_w > 0 else math.inf
+        out.append(Target(f"cheater {cheat!r} earns <= {SAME_CARD_BOUND}x its own card served honestly ({same!r})",
+                          ratio <= SAME_CARD_BOUND,
+                          f"weight {w:.4f} vs {ws:.4f}: {ratio:.2f}x; {vs_honest:.2f}x an honest 5090"))
+    hw = [S[x].weight[-1] for x in sc.honest]
+    spread = max(hw) / min(hw) if min(hw) > 0 else math.inf
+    out.append(Target(f"identical honest cards within {HONEST_WEIGHT_SPREAD}x of each other's weight",
+                      spread <= HONEST_WEIGHT_SPREAD, f"weights {', '.join(f'{x:.4f}' for x in hw)}: {spread:.2f}x"))
     if sc.background is not None:
         b = S[sc.background]
         diff = abs(b.settled[-1] - honest_c)
         wr = b.weight[-1] / honest_w if honest_w > 0 else math.inf
         out.append(Target(f"honest card with invisible load {sc.background!r} within "
-                          f"{BACKGROUND_CREDIT_TOLERANCE} settled credit of an unloaded one",
-                          diff <= BACKGROUND_CREDIT_TOLERANCE,
+                          f"{BACKGROUND_CREDIT_TOLERANCE} settled credit of an unloaded one, weight >= "
+                          f"{BACKGROUND_WEIGHT_FLOOR}x", diff <= BACKGROUND_CREDIT_TOLERANCE
+                          and wr >= BACKGROUND_WEIGHT_FLOOR,
                           f"settled {b.settled[-1]:.3f} vs {honest_c:.3f} (diff {diff:.3f}); weight {wr:.2f}x; it "
                           f"carried {b.background_streams} streams of other validators next to {sum(b.served)} "
                           f"of this one's"))

@@ -48,8 +48,16 @@ CHEATERS: dict[str, bool] = {
     "refuse-busy": False,  # refuses (429) whenever it already has a stream
     "self-dealer": False,  # sends its own long prompts through the gateway, answers those routed to it at once
     "no-model": True,  # no GPU, no model: random words at a fast card's speed
+    # issue 23: numbers the miner chooses (each with a perfect oracle of probes or of the capacity check)
+    "hold-check": False,  # an honest card that holds each capacity-check answer and bursts it at the end
+    "hold-check-429": False,  # the same as four 1-slot hotkeys on one card, 429 otherwise while the card is busy
+    "split-1slot": False,  # four 1-slot hotkeys on one card, 429 whenever the card is busy
+    "slot-liar": False,  # four hotkeys on one card, 429 when busy declaring 1 slot (4 on answers)
+    "half-burst": False,  # a half-speed card that holds every answer and sends it in one burst
+    "cycler": True,  # honest to probes, junk to users: cycles through quarantine
 }
 HALF_SPEED = CardProfile(name="rtx5090-half", single_tok_s=220.0, aggregate_tok_s=150.0, chunks_per_token=2)
+HALF_IDS = CardProfile(name="rtx5090-half-ids", single_tok_s=220.0, aggregate_tok_s=150.0)  # honest, just slow
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,7 @@ class Scenario:
     big: tuple[str, str] | None = None  # (big miner, small miner) for the capacity target
     honest: tuple[str, ...] = ()  # adversarial: unloaded honest cards, the yardstick
     background: str | None = None  # adversarial: the honest card with invisible load
+    same_card: tuple[tuple[str, str], ...] = ()  # adversarial: (cheater, the same card serving honestly)
     self_dealing_interval_s: float = 0.0  # > 0: a key holder sends its own long prompts this often (simulated)
     audits: bool = False  # audit answers on the simulated cards' toy model, as the local subnet does
     labels: tuple[str, ...] = field(default=())
@@ -151,7 +160,7 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
     adversarial = Scenario(
         name="adversarial",
         description="three honest 5090s, one more carrying other validators' traffic, and every cheater of "
-                    "issue 14 built on the same simulated card",
+                    "issues 14 and 23 built on the same simulated card",
         cards=(*honest, CardSpec("honest-bg", FAST, background_rps=0.6),
                *(CardSpec(f"split-429/{i}", FAST, cheat="refuse-when-card-busy", card="split-429") for i in range(4)),
                *(CardSpec(f"split/{i}", FAST, card="split") for i in range(4)),
@@ -161,12 +170,22 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
                CardSpec("half-chunks", HALF_SPEED),
                CardSpec("refuse-busy", FAST, cheat="refuse-when-card-busy"),
                CardSpec("self-dealer", FAST, cheat="self-dealer"),
-               CardSpec("no-model", dataclasses.replace(FAST, random_words=1))),
+               CardSpec("no-model", dataclasses.replace(FAST, random_words=1)),
+               CardSpec("hold-check", FAST, cheat="hold-check"),
+               *(CardSpec(f"hold-check-429/{i}", FAST, slots=1, cheat="hold-check-429", card="hold-check-429")
+                 for i in range(4)),
+               *(CardSpec(f"split-1slot/{i}", FAST, slots=1, cheat="refuse-when-card-busy", card="split-1slot")
+                 for i in range(4)),
+               *(CardSpec(f"slot-liar/{i}", FAST, cheat="slot-liar", card="slot-liar") for i in range(4)),
+               CardSpec("half-burst", HALF_IDS, cheat="burst"),
+               CardSpec("half-honest", HALF_IDS),
+               CardSpec("cycler", FAST, cheat="cycler")),
         traffic=Traffic("poisson", interval_s=0.5, max_tokens=(64, 96, 128, 192)),
         rounds=3 if smoke else window,
         round_s=20.0 if smoke else 60.0,
         honest=tuple(c.label for c in honest),
         background="honest-bg",
+        same_card=(("half-burst", "half-honest"),),
         self_dealing_interval_s=2.0,
         audits=True,
     )
