@@ -91,3 +91,15 @@ def test_gateway_smoke_compares_paths() -> None:
     if len(os.sched_getaffinity(0)) >= 2:  # the default layout keeps the measuring clients off the servers' CPUs
         assert re.search(r"clients on CPU [\d,]+, fake miners and proxies on CPU [\d,]+$", out.splitlines()[0])
     assert "PASS  client errors: 0" in out
+
+
+def test_probe_detector_smoke_measures_both_generators() -> None:
+    """Issue 23: a detector written against the probe generator; replays must bring it under the target."""
+    out = run_script("bench_probes.py", "--smoke", timeout=120)
+    rows = {(r[0], r[1]): r for r in table_rows(out, "replays")}
+    off, on = rows[("off", "8")], rows[("on", "8")]
+    flagged = {k: float(r[3].rstrip("%")) for k, r in (("off", off), ("on", on))}
+    assert flagged["off"] >= 90.0  # generated probes are told apart (issue 23 measured 99 %)
+    assert flagged["on"] <= 60.0  # replays: most probes are users' own requests
+    assert float(on[8].rstrip("%")) <= 5.0  # at no more than 5 % of organic requests flagged
+    assert re.search(r"^PASS  8 miners, replays on", out, re.M)

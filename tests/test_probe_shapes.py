@@ -95,3 +95,45 @@ def test_the_stdlib_corpus_makes_prompts_that_are_rarely_the_same() -> None:
     assert len(set(asks)) > 950  # the templates alone give 22 topics x 8 asks = 176 questions
     templated = sum(any(a.endswith(t.format(t="")[-12:]) for t in _ASKS) for a in asks)
     assert templated < 250  # most prompts come from the corpus
+
+
+def test_replays_resend_recent_user_requests_with_a_fresh_seed() -> None:
+    """Issue 23: most probes are recent organic requests themselves, so their text cannot be indexed."""
+    from neurons.validator.replays import MAX_PROMPT_TOKENS, ReplaySample
+
+    replays = ReplaySample(capacity=20, rng=random.Random(3))
+    assert replays.draw("m") is None
+    rng = random.Random(4)
+    sent = [parse_chat_request(_client_request(rng), LIMITS) for _ in range(200)]
+    for req in sent:
+        replays.observe(req)
+    assert len(replays) == 20 and replays.seen == 200  # bounded
+    texts = {str(r.messages) for r in sent}
+    for _ in range(50):
+        p = replays.draw("served-model")
+        assert p is not None and str(p["messages"]) in texts  # a user's request, as sent
+        assert p["model"] == "served-model" and p["stream"] is True and "seed" not in p and "user" not in p
+        p["messages"][0]["content"] = "changed"  # a copy: the sample is untouched
+    assert all(str(r.messages) in texts for r in sent)
+    huge = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x " * (MAX_PROMPT_TOKENS * 5)}]},
+                              LIMITS)
+    replays.observe(huge)
+    assert replays.seen == 200  # too long to hold: not kept
+    gen = PromptGenerator(random.Random(5), replays=replays, replay_share=0.8)
+    replayed = sum(str(gen.payload("m")["messages"]) in texts for _ in range(500))
+    assert 350 <= replayed <= 450  # ~80 % replays, the rest generated
+
+
+def test_the_validator_replays_only_when_its_operator_lets_it() -> None:
+    from neurons.keys import dev_keypair
+    from neurons.validator.build import build_parts
+    from neurons.validator.config import ValidatorConfig
+
+    on = build_parts(ValidatorConfig(gateway_port=0), dev_keypair("Alice"))
+    off = build_parts(ValidatorConfig(gateway_port=0, probes_replay=False), dev_keypair("Alice"))
+    req = parse_chat_request(_client_request(random.Random(6)), LIMITS)
+    for parts in (on, off):
+        assert parts.gateway.on_request is not None
+        parts.gateway.on_request(req)
+    assert on.prompts.replays is not None and len(on.prompts.replays) == 1
+    assert off.prompts.replays is None

@@ -28,6 +28,7 @@ from typing import Any
 
 from gateway.app import Gateway, GatewayConfig
 from gateway.http.client import MinerClient
+from gateway.protocol.openai import ChatRequest
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Router
 from gateway.upstream import Upstream, UpstreamLimits, UpstreamTimeouts
@@ -44,6 +45,7 @@ from .neuron import Validator
 from .probes import ProbeRunner
 from .prompts import MIXES, PromptGenerator
 from .reference import LlamaReference, Reference, RemoteReference, ToyReference
+from .replays import ReplaySample
 from .shapes import ShapeSample
 
 
@@ -115,8 +117,16 @@ def build_parts(
     scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
     shapes = ShapeSample(rng=random.Random(seed_rng.random()))
-    gateway.on_request = shapes.observe  # probes copy organic requests' shapes (never their text)
-    prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes)
+    replays = ReplaySample(rng=random.Random(seed_rng.random())) if cfg.probes_replay else None
+
+    def observe(req: ChatRequest) -> None:  # probes copy organic requests' shapes, and replay some of them
+        shapes.observe(req)
+        if replays is not None:
+            replays.observe(req)
+
+    gateway.on_request = observe
+    prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes,
+                              replays=replays)
     probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()),
                          capacity_check=cfg.capacity_check)
     auditor = None

@@ -38,7 +38,8 @@ class ValidatorConfig:
     weights_dry_run: bool = False
     weights_version_key: int | None = None  # None: the subnet's WeightsVersionKey, read from the chain
     probes_per_round: int = 2
-    capacity_check: bool = True  # once a round, fill every miner's slots at once (scoring.capacity)
+    capacity_check: bool = True  # twice a round, fill every miner's slots at once (scoring.capacity)
+    probes_replay: bool = True  # most probes re-send a recent organic request (neurons.validator.replays)
     sync_interval_blocks: int = 10
     min_validator_stake: float = DEFAULT_MIN_VALIDATOR_STAKE
     restore_max_age_s: float = 3600.0
@@ -136,8 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds within which saved credits make miners routable at once after a restart")
     sc.add_argument("--probes.capacity-check", dest="capacity_check", choices=("on", "off"),
                     default="on" if d.capacity_check else "off",
-                    help="once a round, fill every miner's declared slots at the same moment, so one card "
+                    help="twice a round, fill every miner's declared slots at the same moment, so one card "
                          "registered as several hotkeys shows it (costs the sum of all slots in streams)")
+    sc.add_argument("--probes.replay", dest="probes_replay", choices=("on", "off"),
+                    default="on" if d.probes_replay else "off",
+                    help="most probes re-send a recent user request (held in memory only) to another miner, so "
+                         "probes cannot be told apart by their text; off: users' prompts never reach a second "
+                         "miner, and probes are generated (recognisable: README)")
     sc.add_argument("--probes.mix", dest="prompt_mix", choices=("gpu", "cpu"), default=d.prompt_mix,
                     help="request sizes of probes: gpu (up to 3.5k-token prompts, 512-token answers) or cpu")
     sc.add_argument("--credit.profile", dest="credit_profile", default=d.credit_profile,
@@ -217,6 +223,7 @@ def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
         values["models"] = [DEFAULT_MODEL]
     values["state_dir"] = Path(os.path.expanduser(str(values["state_dir"])))
     values["capacity_check"] = values["capacity_check"] == "on"
+    values["probes_replay"] = values["probes_replay"] == "on"
     cfg = ValidatorConfig(**values)
     if cfg.audit_url and cfg.audit_model != "none":
         build_parser().error("--audit.url and --audit.model are two references: pass one")

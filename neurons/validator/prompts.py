@@ -13,6 +13,9 @@ Two things make it hard to tell apart (issue 14 told 100 % of the old template p
   the gateway) most probes copy a recent organic request's message roles, prompt size, ``max_tokens``
   and sampling parameters, absent ones included. Before any organic traffic, parameters are drawn
   the way clients set them: the common round temperatures or none at all, ``top_p`` now and then.
+* **Replays** (issue 23: templates and a public corpus can be indexed, and were, 99 % of probes told
+  apart): with ``replays`` (:class:`neurons.validator.replays.ReplaySample`) ``replay_share`` of the
+  probes are recent organic requests themselves, re-sent with a fresh seed; the rest are generated.
 
 Example::
 
@@ -29,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .replays import ReplaySample
 from .shapes import RequestShape, ShapeSample
 
 _TOPICS = (
@@ -104,12 +108,15 @@ class PromptGenerator:
     """
 
     def __init__(self, rng: random.Random | None = None, mix: PromptMix = MIXES["gpu"], *,
-                 corpus: Sequence[str] = (), shapes: ShapeSample | None = None, shape_share: float = 0.8) -> None:
+                 corpus: Sequence[str] = (), shapes: ShapeSample | None = None, shape_share: float = 0.8,
+                 replays: ReplaySample | None = None, replay_share: float = 0.8) -> None:
         self._rng = rng if rng is not None else random.Random()
         self.mix = mix
         self.corpus = corpus
         self.shapes = shapes
         self.shape_share = shape_share
+        self.replays = replays
+        self.replay_share = replay_share
 
     def _target_tokens(self) -> int:
         r = self._rng.random()
@@ -183,8 +190,12 @@ class PromptGenerator:
         return out
 
     def payload(self, model: str) -> dict[str, Any]:
-        """A request body exactly like an organic streaming client would send."""
+        """A request body exactly like an organic streaming client would send (or did: a replay)."""
         rng = self._rng
+        if self.replays is not None and len(self.replays) and rng.random() < self.replay_share:
+            replay = self.replays.draw(model)
+            if replay is not None:
+                return replay
         shape: RequestShape | None = None
         if self.shapes is not None and len(self.shapes) and rng.random() < self.shape_share:
             shape = self.shapes.draw()
