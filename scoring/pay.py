@@ -31,9 +31,15 @@ Only verified work is paid (issue 23: 11,264 unaudited junk tokens were paid in 
 validator audits, a round's value comes in two parts: **verified** (answers an audit passed) and
 **unverified** (answers no audit looked at). :class:`PayWindow` settles them over the trailing window:
 
-* unverified pay is **held** until an audit of the same hotkey in the window passes, and **forfeited**
-  for the whole window by one failed audit: junk served to users while probes are answered well pays
-  nothing, however rarely users' answers are audited;
+* unverified pay is **held** until an audit of one of the same hotkey's *organic* answers in the window
+  passes (a probe passing says nothing of how users are served), and **forfeited**: a failed audit, probe
+  or organic, forfeits its own round's unverified pay, and :data:`FORFEIT_WINDOW_AT` failures in the
+  window forfeit the whole window's. Junk served to users while probes are answered well pays nothing,
+  however well the probes are recognised. Why not the whole window at the first failure: audits have
+  honest false failures (the toy model's plausibility rule: 2 in 3,000 honest answers; the real model
+  with the subnet's sampler: 0 in 500), and one of them cost an honest card 80 % of its weight in a soak
+  run. A cheater that keeps to one failure a window serves junk on about one audited answer in a
+  window's worth, and loses a round of pay for it;
 * a window in which the hotkey was **quarantined** at any round's close settles at 0, verified work
   included: cycling in and out of quarantine costs the window, not only the rounds inside it.
 
@@ -61,6 +67,8 @@ from dataclasses import dataclass
 
 from scoring.credit import CreditConfig
 from scoring.measurement import Measurement
+
+FORFEIT_WINDOW_AT = 2  # failed audits in the window that forfeit all of its unverified pay (one: its own round's)
 
 
 def peak_decode_rate(cfg: CreditConfig) -> float:
@@ -103,7 +111,7 @@ class RoundPay:
 
     verified: float = 0.0  # value of answers whose audit passed (all answers where the validator audits none)
     unverified: float = 0.0  # value of answers no audit looked at: paid only as PayWindow allows
-    passed: int = 0  # audits passed this round
+    passed: int = 0  # audits of organic answers passed this round
     failed: int = 0  # audits failed this round
     quarantined: bool = False  # quarantined at the round's close
 
@@ -131,16 +139,17 @@ class PayWindow:
                                           max(0, int(p.failed)), bool(p.quarantined)) for hk, p in pays.items()})
 
     def settled(self) -> dict[str, float]:
-        """Settled value per hotkey in the window: verified pay, plus unverified pay once an audit in the
-        window passed and none failed; 0 for a hotkey quarantined at any round's close in the window."""
+        """Settled value per hotkey in the window: verified pay, plus the unverified pay of rounds without a failed
+        audit once an audit of an organic answer in the window passed, unless :data:`FORFEIT_WINDOW_AT` audits
+        in it failed; 0 for a hotkey quarantined at any round's close in the window."""
         if not self._rounds:
             return {}
-        totals: dict[str, list[float]] = {}  # verified, unverified, passed, failed, quarantined
+        totals: dict[str, list[float]] = {}  # verified, unverified of rounds without a failure, passed, failed, q.
         for r in self._rounds:
             for hk, p in r.items():
                 t = totals.setdefault(hk, [0.0, 0.0, 0.0, 0.0, 0.0])
                 t[0] += p.verified
-                t[1] += p.unverified
+                t[1] += 0.0 if p.failed else p.unverified
                 t[2] += p.passed
                 t[3] += p.failed
                 t[4] += p.quarantined
@@ -150,7 +159,8 @@ class PayWindow:
             if quarantined:
                 out[hk] = 0.0
             else:
-                out[hk] = (verified + (unverified if passed and not failed else 0.0)) / n
+                released = passed and failed < FORFEIT_WINDOW_AT
+                out[hk] = (verified + (unverified if released else 0.0)) / n
         return out
 
     def held(self) -> dict[str, float]:

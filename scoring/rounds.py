@@ -62,8 +62,8 @@ class MinerRound:
     shown_speed: int = 0  # requests at full decode credit by this validator's own count
     work_s: float = 0.0  # card-seconds of paid work (scoring.pay), verified or not
     verified_work_s: float = 0.0  # of which an audit passed (all of it where the validator audits nothing)
-    audits_passed: int = 0
-    audits_failed: int = 0
+    audits_passed: int = 0  # organic answers whose audit passed: what releases unverified pay
+    audits_failed: int = 0  # any audit failed, probe or organic: forfeits it
     capacity_rates: list[float] = field(default_factory=list)  # per capacity-check stream (scoring.capacity)
     capacity_load: list[float] = field(default_factory=list)  # this validator's streams on it meanwhile
     probes: int = 0
@@ -133,7 +133,7 @@ class RoundAccumulator:
             row.organic += 1
         if m.audited:
             row.audited += 1
-            if m.ok:
+            if m.ok and not m.probe:  # a probe passing says nothing of how users are served
                 row.audits_passed += 1
             elif m.failure == FailureReason.AUDIT_FAILED:
                 row.audits_failed += 1

@@ -67,7 +67,6 @@ async def _settle(auditor: Auditor) -> list[Measurement]:
 async def test_probes_always_organic_by_rate_and_verdicts_decide_pay() -> None:
     ref = ScriptedReference()
     auditor = Auditor(ref, AuditBands(), StrikeBook(), rate=0.0, rng=random.Random(1))
-    assert not auditor.take(m("honest"))  # organic at rate 0: paid as measured, never held
     assert auditor.take(m("honest", probe=True))
     assert auditor.take(m("cheat", probe=True, uid=2))
     assert not auditor.take(m("honest", probe=True, ok=False))  # failures have no answer to audit
@@ -75,6 +74,22 @@ async def test_probes_always_organic_by_rate_and_verdicts_decide_pay() -> None:
     assert done["honest"].ok and done["honest"].audited and done["honest"].completion_tokens == 3  # verified ids
     assert not done["cheat"].ok and done["cheat"].failure == FailureReason.AUDIT_FAILED
     assert [o.passed for o in auditor.outcomes] == [True, False]
+
+
+async def test_organic_answers_are_sampled_eagerly_until_one_passes_in_the_round() -> None:
+    """A passed organic audit is what releases a hotkey's unaudited pay (scoring.pay.PayWindow): until one
+    has passed this round, its organic answers are sampled at EAGER_RATE, then at ``rate``."""
+    from neurons.validator.auditor import EAGER_RATE
+
+    auditor = Auditor(ScriptedReference(), AuditBands(), StrikeBook(), rate=0.0, rng=random.Random(2))
+    assert auditor.take(m("honest", probe=True))
+    await _settle(auditor)
+    eager = sum(auditor.take(m("honest")) for _ in range(100))  # a passed probe confirms nothing of users
+    assert abs(eager - 100 * EAGER_RATE) <= 20
+    await _settle(auditor)
+    assert not any(auditor.take(m("honest")) for _ in range(100))  # confirmed: organic at rate 0 from now on
+    auditor.new_round()
+    assert any(auditor.take(m("honest")) for _ in range(20))  # a new round: eager again until one passes
 
 
 async def test_reference_trouble_is_never_the_miners() -> None:

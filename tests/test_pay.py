@@ -214,7 +214,9 @@ def test_unaudited_pay_is_held_until_an_audit_passes_and_forfeited_by_a_failure(
     w.push({"a": RoundPay(verified=0.1, unverified=0.8, passed=1)})
     assert w.settled()["a"] == pytest.approx((0.1 + 1.6) / 2)  # one audit passed: the held pay is paid
     w.push({"b": RoundPay(verified=0.1, unverified=0.8, passed=3, failed=1)})
-    assert w.settled()["b"] == pytest.approx((0.1 + 0.1) / 3)  # a failure forfeits the window's unaudited pay
+    assert w.settled()["b"] == pytest.approx((0.9 + 0.1) / 3)  # one failure forfeits its own round's unaudited pay
+    w.push({"b": RoundPay(verified=0.1, unverified=0.8, passed=3, failed=1)})
+    assert w.settled()["b"] == pytest.approx((0.1 + 0.1 + 0.1) / 4)  # a second one in the window: all of it
     w.push({"a": RoundPay(verified=0.2, unverified=0.8, passed=5, quarantined=True)})
     assert w.settled()["a"] == 0.0  # quarantined at a close in the window: the window settles at 0
     for _ in range(3):
@@ -230,16 +232,18 @@ def test_junk_served_to_users_is_not_paid_when_probes_pass() -> None:
     """Honest to probes, junk to users: one failed audit of a user's answer forfeits all it served unaudited."""
     s = Scorer(CFG, window=3, audits=True)
     for _ in range(3):
-        s.record(answer("cheat", probe=True, audited=True))  # probes: audited, passed
-        for _ in range(9):
-            s.record(answer("cheat"))  # users' answers nobody looked at
+        for hk in ("cheat", "unconfirmed", "honest"):
+            s.record(answer(hk, probe=True, audited=True))  # probes: audited, passed
+            for _ in range(9):
+                s.record(answer(hk))  # users' answers nobody looked at
         s.record(dataclasses.replace(answer("cheat"), ok=False, failure=FailureReason.AUDIT_FAILED, audited=True))
-        s.record(answer("honest", probe=True, audited=True))
-        for _ in range(10):
-            s.record(answer("honest"))
+        s.record(answer("cheat", audited=True))  # and some of its users' answers pass: it serves junk now and then
+        s.record(answer("honest", audited=True))  # one of its users' answers was audited and passed
         s.close_round(round_s=ROUND_S)
     values = s.settled_values()
-    assert values["cheat"] == 0.0 and values["honest"] > 0.0
+    # the cheat keeps only the answers an audit verified: a tenth of what the honest miner settles, at most
+    assert values["honest"] > 0.0 and values["cheat"] < 0.1 * values["honest"]
+    assert values["unconfirmed"] == 0.0  # passing probes releases nothing: only a user's answer confirms
 
 
 def test_a_prompt_is_paid_no_more_prefill_than_the_time_to_first_token_shows() -> None:

@@ -109,18 +109,28 @@ def test_replays_resend_recent_user_requests_with_a_fresh_seed() -> None:
         replays.observe(req)
     assert len(replays) == 20 and replays.seen == 200  # bounded
     texts = {str(r.messages) for r in sent}
-    for _ in range(50):
+    drawn = []
+    for _ in range(20):
         p = replays.draw("served-model")
         assert p is not None and str(p["messages"]) in texts  # a user's request, as sent
         assert p["model"] == "served-model" and p["stream"] is True and "seed" not in p and "user" not in p
+        drawn.append(str(p["messages"]))
         p["messages"][0]["content"] = "changed"  # a copy: the sample is untouched
+    assert len(set(drawn)) == 20 and replays.draw("m") is None  # each request is replayed once at most
     assert all(str(r.messages) in texts for r in sent)
+    for req in sent[:20]:
+        replays.observe(req)
     huge = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "x " * (MAX_PROMPT_TOKENS * 5)}]},
                               LIMITS)
     replays.observe(huge)
-    assert replays.seen == 200  # too long to hold: not kept
+    assert replays.seen == 220  # too long to hold: not kept
     gen = PromptGenerator(random.Random(5), replays=replays, replay_share=0.8)
-    replayed = sum(str(gen.payload("m")["messages"]) in texts for _ in range(500))
+    replayed = 0
+    for _ in range(500):  # traffic goes on: a user's request, then a probe
+        req = parse_chat_request(_client_request(rng), LIMITS)
+        replays.observe(req)
+        texts.add(str(req.messages))
+        replayed += str(gen.payload("m")["messages"]) in texts
     assert 350 <= replayed <= 450  # ~80 % replays, the rest generated
 
 

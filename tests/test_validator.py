@@ -351,3 +351,26 @@ async def test_a_refusal_the_chain_repeats_backs_off_to_one_attempt_an_interval(
     assert all(g == 100 for g in gaps[7:]) and gaps[7:]  # ... to one attempt an interval
     assert not v.weights_set
     await v.stop()
+
+
+async def test_running_without_a_reference_is_said_every_round_and_in_status(tmp_path: Path) -> None:
+    """``--audit.off`` (issue 23): the operator chose it, and every round and ``/v1/status`` keep saying so."""
+    import aiohttp
+
+    key = "sk-status-test-000"
+    (tmp_path / "keys").write_text(key + "\n")
+    v = await _validator_with_scores(tmp_path, FakeChain([]), audit_off=True, api_keys_file=str(tmp_path / "keys"))
+    await v.gateway.start()
+    try:
+        for _ in range(2):
+            entry = await v.close_round()
+            assert "audits: OFF (--audit.off)" in entry.table
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{v.gateway.port}/v1/status",
+                                                       headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status == 200
+            assert (await r.json())["audits"].startswith("off")
+    finally:
+        await v.stop()
+    on = build_validator(ValidatorConfig(state_dir=tmp_path / "on", gateway_port=0, audit_model="toy"), FakeChain([]),
+                         dev_keypair("Alice"))
+    assert on.gateway.config.audits

@@ -8,6 +8,12 @@ counted (and logged), never silently lost. A reference that errs or cannot repla
 long for its context) is the validator's problem: the answer is paid as measured, the miner is
 never blamed.
 
+Until one of a hotkey's organic answers has passed an audit in the round, its organic answers are
+sampled at :data:`EAGER_RATE` instead of ``rate``: that pass is what releases the hotkey's unaudited pay
+(:class:`scoring.pay.PayWindow`), so an honest miner is confirmed every round it serves users, and one
+that serves users junk meets an audit among its first answers. The validator calls :meth:`new_round`
+at each round's close. Nothing of it shows on the wire.
+
 Verdicts feed the :class:`~scoring.audit.StrikeBook`; each outcome is kept for the store
 (:attr:`Auditor.outcomes`, drained with the round) and counted for ``/v1/status``.
 
@@ -37,6 +43,8 @@ from scoring.store import StoredAudit
 
 from .reference import Reference
 
+EAGER_RATE = 0.5  # organic answers of a hotkey not yet confirmed this round: audited at this rate
+
 
 class Auditor:
     """Samples answers, replays them on the reference, books verdicts and strikes."""
@@ -55,11 +63,12 @@ class Auditor:
         self.outcomes: deque[StoredAudit] = deque(maxlen=10_000)  # drained by the validator into the store
         self.counts: Counter[str] = Counter()  # sampled, passed, failed, dropped, unauditable, errors
         self.quarantine_changed = False
+        self._confirmed: set[str] = set()  # hotkeys with an organic answer that passed its audit this round
 
     def take(self, m: Measurement) -> bool:
         """Hold ``m`` for an audit (True) or leave it to the caller to record as measured (False)."""
-        if not should_audit(m, rate=self.rate, quarantined=self.book.is_quarantined(m.hotkey),
-                            draw=self._rng.random()):
+        rate = self.rate if m.hotkey in self._confirmed else max(self.rate, EAGER_RATE)
+        if not should_audit(m, rate=rate, quarantined=self.book.is_quarantined(m.hotkey), draw=self._rng.random()):
             return False
         try:
             self._queue.put_nowait(m)
@@ -71,6 +80,10 @@ class Auditor:
             return False
         self.counts["sampled"] += 1
         return True
+
+    def new_round(self) -> None:
+        """A round closed: every hotkey's organic answers are sampled eagerly again until one passes."""
+        self._confirmed.clear()
 
     def ready(self) -> list[Measurement]:
         """Audited measurements since the last call, as their verdicts pay them."""
@@ -120,6 +133,8 @@ class Auditor:
     def _book(self, m: Measurement, verdict: Verdict) -> None:
         now = time.time()
         self.counts["passed" if verdict.passed else "failed"] += 1
+        if verdict.passed and not m.probe:
+            self._confirmed.add(m.hotkey)
         if not verdict.passed:
             logger.info("audit failed: uid {} {} ({}): {}", m.uid, m.hotkey[:10], verdict.failure, verdict.detail)
         if self.book.record(m.hotkey, passed=verdict.passed, at=now):

@@ -249,6 +249,8 @@ class Validator:
         await self._drain()
         quarantined = self.quarantined()
         report = self.scorer.close_round(time.time(), quarantined=quarantined)
+        if self.auditor is not None:
+            self.auditor.new_round()
         self.router.set_scores(self.scorer.routing_scores())
         weights = self.scorer.weights(self.hotkey_to_uid, exclude=quarantined)
         table = report.format_table(weights=weights, quarantined=quarantined)

@@ -19,7 +19,8 @@ What it costs and what it leaves open, on purpose:
   it off (``--probes.replay off``): probes are then generated only, and recognisable as issue 23 found.
 * a miner that served the original can recognise the replay ("seen this prompt before"); with ``N``
   miners about one replay in ``N`` lands on the miner that served the original (measured by
-  ``scripts/bench_probes.py``), and several hotkeys of one owner comparing notes see more.
+  ``scripts/bench_probes.py``; each request is replayed once at most), and several hotkeys of one owner
+  comparing notes see more.
 * before any organic traffic there is nothing to replay: probes are generated.
 
 Example::
@@ -64,10 +65,14 @@ class ReplaySample:
             self._requests[i] = req
 
     def draw(self, model: str) -> dict[str, Any] | None:
-        """A probe body replaying one kept request (a copy: nothing the caller changes reaches the sample)."""
+        """A probe body replaying one kept request, which leaves the sample: a request is replayed once at most
+        (a second replay could land on the miner that had the first)."""
         if not self._requests:
             return None
-        req = self._rng.choice(self._requests)
+        i = self._rng.randrange(len(self._requests))
+        req = self._requests[i]
+        self._requests[i] = self._requests[-1]
+        self._requests.pop()
         sampling = {k: copy.deepcopy(v) for k, v in req.sampling.items() if k not in _DROPPED}
         return {"model": model, "messages": copy.deepcopy(req.messages), "max_tokens": req.max_tokens, **sampling,
                 "stream": True}

@@ -376,6 +376,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                         sink.record(meas)
                     quarantined = auditor.book.quarantined()
                     router.set_quarantined(quarantined)
+                    auditor.new_round()
                 _close(scorer, router, result, miners, alive, current, hk2uid, quarantined)
                 current.clear()
         finally:
