@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequential-routers", action="store_true",
                    help="run the routers of a scenario one after the other instead of side by side")
     p.add_argument("--smoke", action="store_true",
-                   help="a few short rounds at a high time scale, for CI: checks the plumbing, not the figures")
+                   help="a few short rounds at a high time scale, for CI: checks the plumbing, not the figures "
+                        "(the adversarial scenario keeps the full run's time scale and is judged)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target FAILs")
     p.add_argument("--out", type=Path, default=Path("soak-out"), help="directory for the PNGs and soak.json")
     p.add_argument("--log-level", default="WARNING", help="loguru level for the gateway, miners and scorer")
@@ -100,14 +101,15 @@ async def run_all(args: argparse.Namespace) -> int:
           + (" (smoke)" if args.smoke else ""), flush=True)
     for name in names:
         sc = scenarios[name]
+        sc_opts = dataclasses.replace(opts, scale=sc.scale or opts.scale, window=sc.window or opts.window)
         kinds = routers_for(args, sc)
         print(f"\n### {sc.name}: {sc.description}; routers {', '.join(kinds)}", flush=True)
         results: dict[str, RunResult] = {}
         if args.sequential_routers:
             for k in kinds:
-                results[k] = await run_scenario(sc, k, opts)
+                results[k] = await run_scenario(sc, k, sc_opts)
         else:
-            done = await asyncio.gather(*(run_scenario(sc, k, opts) for k in kinds))
+            done = await asyncio.gather(*(run_scenario(sc, k, sc_opts) for k in kinds))
             results = dict(zip(kinds, done, strict=True))
         summaries = {k: summarize(sc, r) for k, r in results.items()}
         for k, r in results.items():

@@ -61,6 +61,12 @@ async def test_auth(make_miner, make_gateway):
         (body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
         (body(stop=[1, 2]), "stop"),
         (body(tools=[{"type": "function"}]), "tools"),
+        # a lone surrogate no miner can encode (issue 24: forwarded, it made honest miners answer 500, booked on them)
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi \ud800"}]}, "messages[0].content"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+         "messages[0].content[0].text"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "name": "\ud83d"}]}, "messages[0].name"),
+        (body(stop=["ok", "\ud800"]), "stop[1]"),
     ],
 )
 async def test_400_names_the_field(make_miner, make_gateway, payload, param):
