@@ -30,7 +30,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import random
 import re
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.protocol.openai import SchemaLimits, parse_chat_request  # noqa: E402
 from neurons.validator import prompts as gen  # noqa: E402
-from neurons.validator.corpus import stdlib_passages  # noqa: E402
+from neurons.validator.corpus import docstrings, stdlib_passages  # noqa: E402
 from neurons.validator.replays import ReplaySample  # noqa: E402
 from neurons.validator.shapes import ShapeSample  # noqa: E402
 
@@ -83,15 +82,8 @@ def stdlib_index() -> set[int]:
     root = Path(sysconfig.get_paths()["stdlib"])
     index: set[int] = set()
     for path in root.rglob("*.py"):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-                doc = ast.get_docstring(node)
-                if doc:
-                    index |= _shingles(doc)
+        for doc in docstrings(path):
+            index |= _shingles(doc)
     return index
 
 

@@ -17,10 +17,24 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 MIN_CHARS = 80  # shorter docstrings ("Return self.") say nothing worth asking about
 MAX_CHARS = 3000
+
+
+def docstrings(path: Path) -> Iterator[str]:
+    """Every module, class and function docstring of one Python file (none for a file that does not parse)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node)
+            if doc:
+                yield doc
 
 
 def stdlib_passages(rng: random.Random, *, files: int = 300) -> list[str]:
@@ -29,15 +43,5 @@ def stdlib_passages(rng: random.Random, *, files: int = 300) -> list[str]:
     candidates = sorted(p for p in root.rglob("*.py")
                         if not any(part.startswith(("test", "_", "idlelib", "site-packages")) for part in
                                    p.relative_to(root).parts))
-    out: list[str] = []
-    for path in rng.sample(candidates, min(files, len(candidates))):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= MIN_CHARS:
-                    out.append(doc[:MAX_CHARS])
-    return out
+    return [doc[:MAX_CHARS] for path in rng.sample(candidates, min(files, len(candidates)))
+            for doc in docstrings(path) if len(doc) >= MIN_CHARS]

@@ -38,6 +38,8 @@ from typing import Any
 
 from gateway.protocol.openai import ChatRequest
 
+from .reservoir import Reservoir
+
 # what a replay leaves out of the client's parameters: its seed (a fresh one is drawn on the wire)
 _DROPPED = frozenset({"seed", "user"})
 MAX_PROMPT_TOKENS = 8192  # longer requests are not kept: the sample's memory stays under ~capacity x 32 KB
@@ -47,35 +49,26 @@ class ReplaySample:
     """A uniform random sample of the last organic requests, re-sendable as probes; O(1) per request."""
 
     def __init__(self, capacity: int = 256, rng: random.Random | None = None) -> None:
-        self.capacity = max(1, capacity)
-        self._rng = rng if rng is not None else random.Random()
-        self._requests: list[ChatRequest] = []
-        self.seen = 0
+        self._sample: Reservoir[ChatRequest] = Reservoir(capacity, rng)
+
+    @property
+    def seen(self) -> int:
+        return self._sample.seen
 
     def observe(self, req: ChatRequest) -> None:
         """Keep ``req`` with the reservoir's probability (requests over :data:`MAX_PROMPT_TOKENS` never)."""
-        if req.prompt_tokens > MAX_PROMPT_TOKENS:
-            return
-        self.seen += 1
-        if len(self._requests) < self.capacity:
-            self._requests.append(req)
-            return
-        i = self._rng.randrange(self.seen)
-        if i < self.capacity:
-            self._requests[i] = req
+        if req.prompt_tokens <= MAX_PROMPT_TOKENS:
+            self._sample.offer(lambda: req)
 
     def draw(self, model: str) -> dict[str, Any] | None:
         """A probe body replaying one kept request, which leaves the sample: a request is replayed once at most
         (a second replay could land on the miner that had the first)."""
-        if not self._requests:
+        req = self._sample.take()
+        if req is None:
             return None
-        i = self._rng.randrange(len(self._requests))
-        req = self._requests[i]
-        self._requests[i] = self._requests[-1]
-        self._requests.pop()
         sampling = {k: copy.deepcopy(v) for k, v in req.sampling.items() if k not in _DROPPED}
         return {"model": model, "messages": copy.deepcopy(req.messages), "max_tokens": req.max_tokens, **sampling,
                 "stream": True}
 
     def __len__(self) -> int:
-        return len(self._requests)
+        return len(self._sample)

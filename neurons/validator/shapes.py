@@ -24,6 +24,8 @@ from typing import Any
 
 from gateway.protocol.openai import ChatRequest
 
+from .reservoir import Reservoir
+
 # sampling parameters a probe copies (``seed`` and ``stop`` are left out: they can single a client out)
 _COPIED = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 
@@ -39,29 +41,25 @@ class RequestShape:
 
 
 class ShapeSample:
-    """A uniform random sample (reservoir) of the last organic requests' shapes; O(1) per request."""
+    """A uniform random sample (:class:`~neurons.validator.reservoir.Reservoir`) of the last organic
+    requests' shapes; O(1) per request."""
 
     def __init__(self, capacity: int = 1000, rng: random.Random | None = None) -> None:
-        self.capacity = max(1, capacity)
-        self._rng = rng if rng is not None else random.Random()
-        self._shapes: list[RequestShape] = []
-        self.seen = 0
+        self._sample: Reservoir[RequestShape] = Reservoir(capacity, rng)
+
+    @property
+    def seen(self) -> int:
+        return self._sample.seen
 
     def observe(self, req: ChatRequest) -> None:
         """Keep ``req``'s shape with the reservoir's probability (never raises into the serving path)."""
-        self.seen += 1
-        if len(self._shapes) < self.capacity:
-            self._shapes.append(shape_of(req))
-            return
-        i = self._rng.randrange(self.seen)
-        if i < self.capacity:
-            self._shapes[i] = shape_of(req)
+        self._sample.offer(lambda: shape_of(req))
 
     def draw(self) -> RequestShape | None:
-        return self._rng.choice(self._shapes) if self._shapes else None
+        return self._sample.draw()
 
     def __len__(self) -> int:
-        return len(self._shapes)
+        return len(self._sample)
 
 
 def shape_of(req: ChatRequest) -> RequestShape:
