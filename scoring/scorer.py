@@ -11,9 +11,10 @@ pushes it into the trailing :class:`Settlement`. The scorer does no I/O: the rep
 persist (``report.saved``), and the validator writes it with :meth:`ScoreStore.save_round` on the
 store's own thread, so a synchronous SQLite commit never stalls the event loop that relays streams.
 
-Routing scores, republished each round: a miner with requests in the round just closed is routed
-by that round's score (the freshest evidence, so a card that slows down loses traffic within one
-round); a miner with settled history but no requests this round is routed by its settled credit,
+Routing scores, republished each round: a miner with measured requests in the round just closed is
+routed by that round's score (the freshest evidence, so a card that slows down loses traffic within one
+round); a miner with settled history but nothing measured this round (no requests, or only truthful
+429s and clients that left, which say nothing of it) is routed by its settled credit,
 which decays while it stays unmeasured (a miner that settled at 0 stays at 0) until it drops out
 of the window; it is then routed at the router's prior again, like any unmeasured miner. Probes
 reach every miner each round, so a miner routed at 0 still gets re-measured. Each is multiplied by
@@ -231,8 +232,9 @@ class Scorer:
             if ratio is not None:
                 self.capacity.push(hk, ratio)
         self.capacity.forget(set(settled))
-        self._routing = {hk: s for hk, s in settled.items() if hk not in round_scores}
-        self._routing.update(round_scores)
+        measured = {hk: row.score for hk, row in acc.miners.items() if row.measured}
+        self._routing = {hk: s for hk, s in settled.items() if hk not in measured}
+        self._routing.update(measured)
         self._routing = {hk: s * self.capacity.multiplier(hk) for hk, s in self._routing.items()}
         self._uids = {hk: uid for hk, uid in self._uids.items() if hk in settled}
 

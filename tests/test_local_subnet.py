@@ -44,10 +44,12 @@ def _chain_weights(state: Path, capsys: pytest.CaptureFixture[str]) -> dict[int,
 
 def test_slow_card_ends_lowest_and_equal_cards_close(finished_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     w = _chain_weights(finished_run, capsys)
-    assert set(w) == {1, 2, 3, 4}, w  # every miner was measured and weighted, read back through the SDK
+    # the equal cards were measured and weighted, read back through the SDK; the slow card, routed almost nothing
+    # once its credit is known and paid nothing for probes, may end at 0 (no row)
+    assert {1, 2, 3} <= set(w) <= {1, 2, 3, 4}, w
     assert sum(w.values()) == pytest.approx(1.0, abs=1e-3)
     equal = [w[1], w[2], w[3]]
-    slow = w[4]
+    slow = w.get(4, 0.0)
     assert slow < min(equal), w
     assert slow < 0.5 * min(equal), w
     # Three identical cards: weights follow the work each served, which over ~20 requests a card varies
@@ -62,7 +64,7 @@ def test_weights_table_is_printed(finished_run: Path, capsys: pytest.CaptureFixt
     assert weights_cmd.main(["--state-dir", str(finished_run), "--netuid", "1"]) == 0
     out = capsys.readouterr().out
     assert "miner uid" in out and "weight" in out
-    assert len([ln for ln in out.splitlines() if ln.strip().startswith("0 ")]) == 4
+    assert len([ln for ln in out.splitlines() if ln.strip().startswith("0 ")]) in (3, 4)  # the slow card may be 0
 
 
 async def test_restart_restores_routing_without_settling(finished_run: Path) -> None:

@@ -202,3 +202,19 @@ def test_restore_window_is_bounded(tmp_path: Path) -> None:
     with ScoreStore(tmp_path) as st:
         s2 = restored(st, window=3, clock=clock)
         assert s2.settled() == {"a": 1.0}
+
+
+def test_a_round_with_nothing_measured_does_not_route_a_miner_at_zero() -> None:
+    """Only truthful 429s and clients that left (a round cut short at a stop): the round says nothing of the miner."""
+    clock = Clock()
+    s = Scorer(CreditConfig(), window=4, clock=clock)
+    play_round(s, clock, {("a", 1): [0.2], ("b", 2): [0.2]})
+    s.record(failed("a", 1, FailureReason.BUSY))
+    s.record(failed("a", 1, FailureReason.CLIENT_DISCONNECT))
+    s.record(ok("b", 2, 0.2))
+    clock.t += ROUND_S
+    s.close_round(clock.t)
+    r = s.routing_scores()
+    assert s.settled()["a"] > 0.0
+    assert r["a"] == pytest.approx(s.settled()["a"] * UNMEASURED)  # its settled credit, not the round's 0
+    assert r["b"] == pytest.approx(1.0 * UNMEASURED)

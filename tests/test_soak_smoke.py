@@ -199,8 +199,9 @@ def test_adversarial_miners_without_user_work_are_paid_nothing(smoke: tuple[str,
 
 # Targets of the adversarial smoke whose margin is inside the noise of 8 rounds: judged over the full run's 3 seeds
 # (README), printed here. Measured in smoke runs: the self-dealer 1.01x quiet and 1.02x beside two CPU hogs (0.96-1.00x
-# over the full runs), the honest card with invisible load 0.84x / 0.82x (0.93-0.96x over the full runs).
-STATISTICAL = ("cheater 'self-dealer'", "honest card with invisible load")
+# over the full runs), the honest card with invisible load 0.84x / 0.82x (0.93-0.96x over the full runs), honest cards
+# 1.07x apart and once 1.17x in a CI run (1.03-1.06x over the full runs).
+STATISTICAL = ("cheater 'self-dealer'", "honest card with invisible load", "identical honest cards")
 
 
 def test_adversarial_cheaters_out_earn_no_honest_card(smoke: tuple[str, dict]) -> None:
