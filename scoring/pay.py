@@ -49,7 +49,7 @@ Example::
     window.push({"hk": RoundPay(verified=0.05, unverified=0.4, passed=3)})
     window.settled()                                  # {"hk": 0.45}: an audit passed, the rest is paid
     window.push({"hk": RoundPay(verified=0.05, unverified=0.4, failed=1)})
-    window.settled()                                  # {"hk": 0.05}: (0.05 + 0.05) / 2, unverified forfeited
+    window.settled()                                  # {"hk": 0.25}: (0.45 + 0.05) / 2, that round's forfeited
 
 Example::
 
@@ -162,16 +162,6 @@ class PayWindow:
                 released = passed and failed < FORFEIT_WINDOW_AT
                 out[hk] = (verified + (unverified if released else 0.0)) / n
         return out
-
-    def held(self) -> dict[str, float]:
-        """Unverified value per hotkey that :meth:`settled` does not pay now (per round, like settled)."""
-        settled = self.settled()
-        n = len(self._rounds) or 1
-        gross: dict[str, float] = {}
-        for r in self._rounds:
-            for hk, p in r.items():
-                gross[hk] = gross.get(hk, 0.0) + p.total
-        return {hk: max(0.0, g / n - settled.get(hk, 0.0)) for hk, g in gross.items()}
 
     def __len__(self) -> int:
         return len(self._rounds)

@@ -93,8 +93,8 @@ CREATE TABLE key_usage (
 );
 """
 # Schema 4: pay for verified work only (issue 23): ``value`` is now the verified part; next to it the
-# unverified part (held until an audit in the window passes), the round's audits and the quarantine flag.
-# Rounds stored before keep their whole value as verified, as they were paid.
+# unverified part (held until an audit of a user's answer in the window passes), the round's audits and
+# the quarantine flag. Rounds stored before keep their whole value as verified, as they were paid.
 _SCHEMA_4 = """
 ALTER TABLE round_miners ADD COLUMN unverified REAL NOT NULL DEFAULT 0;
 ALTER TABLE round_miners ADD COLUMN audits_passed INTEGER NOT NULL DEFAULT 0;
