@@ -21,34 +21,31 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 
 
-def _clean(score: float, cap: float | None) -> float:
-    """Round scores live in [0, cap]; anything else is clamped, NaN and inf count 0."""
+def _clean(score: float) -> float:
+    """Round scores (credits) live in [0, 1]; anything else is clamped, NaN and inf count 0."""
     if not isinstance(score, int | float) or not math.isfinite(score):
         return 0.0
-    s = max(0.0, float(score))
-    return s if cap is None else min(cap, s)
+    return min(1.0, max(0.0, float(score)))
 
 
 class Settlement:
-    """The last ``window`` rounds' scores, each a ``{hotkey: score}`` mapping (absent = 0).
+    """The last ``window`` rounds' credits, each a ``{hotkey: credit}`` mapping (absent = 0).
 
-    ``cap``: the highest round score (1.0 for credits; None for values in card-equivalents, where a
-    miner with two cards behind one hotkey may earn 2).
+    Values (pay) settle over the same window in :class:`scoring.pay.PayWindow`, which also holds and
+    forfeits unverified pay.
     """
 
-    def __init__(self, window: int = 12, history: Iterable[Mapping[str, float]] = (), *,
-                 cap: float | None = 1.0) -> None:
+    def __init__(self, window: int = 12, history: Iterable[Mapping[str, float]] = ()) -> None:
         if window < 1:
             raise ValueError(f"settlement window must be >= 1 round, got {window}")
         self.window = window
-        self.cap = cap
         self._rounds: deque[dict[str, float]] = deque(maxlen=window)
         for r in history:
             self.push(r)
 
     def push(self, round_scores: Mapping[str, float]) -> None:
         """Append one closed round; the oldest falls out once the window is full."""
-        self._rounds.append({hk: _clean(s, self.cap) for hk, s in round_scores.items()})
+        self._rounds.append({hk: _clean(s) for hk, s in round_scores.items()})
 
     def settled(self) -> dict[str, float]:
         """Settled score per hotkey seen in the window (0.0 entries included until they fall out)."""
