@@ -403,8 +403,8 @@ class UpstreamStream:
             try:
                 await self._check_head(resp)
             finally:
-                if self._resp is None and self.measurement is None:
-                    resp.close()
+                if self._resp is not resp:  # refused (any status, a 200 with a head we refuse too) or cancelled:
+                    resp.close()  # the miner's slot is freed now (a no-op for a refusal already released to the pool)
         except UpstreamError:
             raise
         except BaseException:

@@ -22,7 +22,7 @@ from tests.fakes import MODEL, DeadMiner, FakeMiner, LoopbackMiner, Script
 API_KEY = "sk-test-0123456789"
 # Short deadlines so fault tests end quickly, yet generous enough for a loaded 2-core machine.
 FAST = UpstreamTimeouts(connect=2.0, first_token=1.0, stall=0.8, total=15.0)
-_URIS = ["//Bob", "//Charlie", "//Dave", "//Eve", "//Ferdie", "//Miner6", "//Miner7", "//Miner8"]
+_URIS = ["//Bob", "//Charlie", "//Dave", "//Eve", "//Ferdie", *(f"//Miner{i}" for i in range(6, 11))]
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,8 @@ FAULTY = {
     "drop-": Script("drop_after", tokens=8, after=3),
     "stall-": Script("stall_after", tokens=8, after=3),
     "nan-": Script("nan"),
+    "gzip-": Script("gzip"),  # a 200 whose head the gateway refuses: its connection must still be closed
+    "not-sse-": Script("not_sse"),
 }
 BAD_BODIES: list[bytes] = [
     b"{not json", b"[]", b'{"model": 7, "messages": []}', b'{"messages": [{"role": ["user"], "content": "hi"}]}',

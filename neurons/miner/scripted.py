@@ -55,6 +55,8 @@ BEHAVIORS = (
     "overlong",  # ignores max_tokens: sends ``tokens`` regardless
     "empty",  # prelude, finish, [DONE], no content
     "no_done",  # finish + usage, then closes without [DONE]
+    "gzip",  # 200 with Content-Encoding: gzip, then holds the stream open (a head the gateway refuses)
+    "not_sse",  # 200 as application/json, then holds the response open (a head the gateway refuses)
 )
 _FAULT_FRAMES = {
     "garbage": b"data: {not json at all\n\n",
@@ -231,7 +233,15 @@ class FakeMiner:
         await until(s.headers_delay)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            SLOTS_HEADER: str(self.slots)})
+        if s.behavior == "gzip":
+            resp.headers["Content-Encoding"] = "gzip"
+        elif s.behavior == "not_sse":
+            resp.headers["Content-Type"] = "application/json"
         await resp.prepare(request)
+        if s.behavior in ("gzip", "not_sse"):  # the slot stays held until the gateway closes the connection
+            await resp.write(b"\x1f\x8b" if s.behavior == "gzip" else b"{")
+            await asyncio.sleep(HANG_S)
+            return resp
         self.started.set()
         model = body.get("model") if isinstance(body.get("model"), str) else "fake"
         out = ChunkFramer(f"chatcmpl-{self.tag}", int(time.time()), str(model))
