@@ -35,7 +35,7 @@ from typing import Any
 
 from loguru import logger
 
-from .asgi import ClientGone, Receive, Scope, Send, send_json
+from .asgi import BodyTimeout, ClientGone, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, load_keys
 from .http.server import HttpServer
 from .protocol.errors import GatewayError, invalid_json, payload_too_large, rate_limited, unauthorized
@@ -59,7 +59,9 @@ class GatewayConfig:
     max_head_bytes: int = 16 * 1024  # request line and headers; longer is refused, never buffered
     keepalive_timeout: float = 75.0  # an idle client connection is closed after this long
     max_connections: int = 2048  # client connections at once; more get 503 and are closed (file descriptors)
-    header_timeout: float = 10.0  # a new connection's first request head must arrive within this
+    header_timeout: float = 10.0  # each request head must arrive within this of its first byte (or the connection)
+    body_timeout: float = 30.0  # a request body must arrive within this of when it is read (408 otherwise)
+    write_timeout: float = 30.0  # a client must take each write within this, or it is gone (its miner freed)
     max_retries: int = 2  # extra miners tried before the client has seen a byte
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_cap: int = 4096
@@ -131,7 +133,8 @@ class Gateway:
         c = self.config
         server = HttpServer(self, host=c.host, port=c.port, keepalive_timeout=c.keepalive_timeout,
                             max_head_bytes=c.max_head_bytes, shutdown_timeout=c.shutdown_timeout,
-                            max_connections=c.max_connections, header_timeout=c.header_timeout)
+                            max_connections=c.max_connections, header_timeout=c.header_timeout,
+                            body_timeout=c.body_timeout, write_timeout=c.write_timeout)
         await server.start()
         self._server = server
         if c.freeze_heap:
@@ -161,7 +164,7 @@ class Gateway:
             await route(scope, headers, receive, send)
         except GatewayError as e:
             self.outcomes[str(e.status)] += 1
-            await send_json(send, e.status, e.body(), headers=e.headers, close=e.status in (400, 401, 413))
+            await send_json(send, e.status, e.body(), headers=e.headers, close=e.status in (400, 401, 408, 413, 417))
         except ClientGone:
             self.outcomes["client_disconnect"] += 1
 
@@ -173,8 +176,14 @@ class Gateway:
         if any(_CTL.search(v) for _, v in scope["headers"]):
             raise GatewayError(400, "control character in a header value", code="bad_request")
         methods = self._routes.get(scope["path"])
-        if methods is None:
+        raw = scope.get("raw_path")
+        if methods is None or (raw is not None and raw.decode("latin-1") != scope["path"]):
+            # matched on the path as sent: "/v1/chat%2Fcompletions" is not "/v1/chat/completions"
             raise GatewayError(404, "Not Found", code="not_found")
+        expect = headers.get("expect")
+        if expect is not None and expect.strip().lower() != "100-continue":
+            raise GatewayError(417, f"Expect: {expect.strip()[:64]!r} is not supported (only 100-continue)",
+                               code="expectation_failed")
         method = scope["method"]
         route = methods.get("GET" if method == "HEAD" else method)
         if route is None:
@@ -197,7 +206,10 @@ class Gateway:
         parts: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except BodyTimeout as e:
+                raise GatewayError(408, str(e), code="request_timeout") from None
             if message["type"] == "http.disconnect":
                 raise ClientGone
             chunk = message.get("body", b"")

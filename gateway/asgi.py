@@ -26,6 +26,14 @@ class ClientGone(Exception):
     """The client disconnected before its request was read; there is nobody to answer."""
 
 
+class BodyTimeout(Exception):
+    """The request body did not arrive within the server's body deadline (``receive`` raises it)."""
+
+    def __init__(self, within_s: float) -> None:
+        super().__init__(f"request body not received within {within_s:g} s")
+        self.within_s = within_s
+
+
 def header_list(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 

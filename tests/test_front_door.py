@@ -6,6 +6,7 @@ Raw sockets on loopback, because these are the requests a well-behaved client li
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -367,3 +368,172 @@ def test_a_flood_of_idle_connections_gets_503s_then_expires_and_logs_nothing() -
     assert got["during"].startswith("HTTP/1.1 503"), got  # refused at once, not hanging, no miner touched
     assert got["after"].startswith("HTTP/1.1 200"), got  # the idle ones expired at the header timeout
     assert got["expired"] >= 400 and got["log"] == "", got
+
+
+# -- issue 24: every phase of a connection holds a deadline; malformed heads answered in JSON --------------
+
+
+async def _ok_app(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def test_a_body_that_never_comes_gets_408_at_the_body_deadline(make_miner, make_gateway) -> None:
+    """An authenticated head with Content-Length and no body (or a trickled one) was held > 95 s."""
+    m = await make_miner(Script("ok", tokens=3))
+    h = await make_gateway([m], body_timeout=0.5)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Content-Length: 100\r\n\r\n"
+    t0 = time.monotonic()
+    answer = await _exchange(h.gateway.port, head + b'{"mod', within=5.0)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert b"connection: close" in answer.lower() and 0.4 < time.monotonic() - t0 < 4.0
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", h.gateway.port)  # a body trickled byte by byte
+    try:
+        writer.write(head)
+        t0 = time.monotonic()
+        got = b""
+        for _ in range(40):  # 2 s of trickle at most, far past the deadline
+            writer.write(b" ")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                got += await asyncio.wait_for(reader.read(4096), 0.001)
+            if got:
+                break
+        assert got.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 1.9, got[:80]
+    finally:
+        writer.close()
+    assert m.requests == 0 and h.router.total_in_flight() == 0  # no miner asked
+
+
+async def test_idle_kept_alive_connections_make_room_at_the_cap() -> None:
+    """40 sockets that each made one GET /health held a cap of 40 for the 75 s keep-alive (issue 24 item 3)."""
+    from gateway.http.server import HttpServer
+
+    server = HttpServer(_ok_app, port=0, max_connections=3, keepalive_timeout=30.0)
+    await server.start()
+    idle = []
+    try:
+        for _ in range(3):
+            r, w = await asyncio.open_connection("127.0.0.1", server.port)
+            w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(r.readuntil(b"ok"), 5)
+            idle.append((r, w))
+        for _ in range(2):  # each new client is served, closing the longest-idle one
+            r, w = await asyncio.open_connection("127.0.0.1", server.port)
+            w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await asyncio.wait_for(r.readuntil(b"\r\n"), 5)).startswith(b"HTTP/1.1 200")
+            idle.append((r, w))
+        assert server.evicted_connections == 2 and server.refused_connections == 0
+        assert await asyncio.wait_for(idle[0][0].read(), 5) == b""  # the oldest idle ones were closed
+        assert await asyncio.wait_for(idle[1][0].read(), 5) == b""
+    finally:
+        for _, w in idle:
+            w.close()
+        await server.stop()
+
+
+async def test_a_head_trickled_on_a_kept_alive_connection_gets_the_head_deadline() -> None:
+    """The second head on a connection has the header timeout too, not the whole keep-alive time."""
+    from gateway.http.server import HttpServer
+
+    server = HttpServer(_ok_app, port=0, header_timeout=0.3, keepalive_timeout=30.0)
+    await server.start()
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(r.readuntil(b"ok"), 5)
+        await asyncio.sleep(0.5)  # idle past the header timeout: still open
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # ... a head that never ends
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        assert 0.25 < time.monotonic() - t0 < 3.0 and server.expired_connections == 1
+        w.close()
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)  # an idle one is closed at keep-alive
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(r.readuntil(b"ok"), 5)
+        w.close()
+    finally:
+        await server.stop()
+
+
+async def test_an_idle_connection_is_closed_at_the_keepalive_timeout() -> None:
+    from gateway.http.server import HttpServer
+
+    server = HttpServer(_ok_app, port=0, header_timeout=5.0, keepalive_timeout=0.3)
+    await server.start()
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(r.readuntil(b"ok"), 5)
+        t0 = time.monotonic()
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        assert 0.25 < time.monotonic() - t0 < 3.0 and server.expired_connections == 1
+        w.close()
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /health HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer sk-" + b"s" * 20_000 + b"\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: gw\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(5000)) + b"\r\n",
+], ids=["oversized-authorization", "5000-headers"])
+async def test_an_oversized_head_gets_431_in_json_without_echoing_it(gw, head: bytes) -> None:
+    answer = await _exchange(gw.gateway.port, head)
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 431 Request Header Fields Too Large"), answer[:80]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "header_fields_too_large"
+    assert b"sss" not in answer  # the client's bytes (a key, say) are not sent back
+
+
+async def test_http09_gets_a_valid_status_line(gw) -> None:
+    answer = await _exchange(gw.gateway.port, b"GET /health\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer[:80]
+
+
+async def test_an_encoded_slash_is_not_the_route(gw) -> None:
+    raw = json.dumps(body(max_tokens=3)).encode()
+    answer = await _exchange(gw.gateway.port, b"POST /v1/chat%2Fcompletions HTTP/1.1\r\nHost: gw\r\n" + AUTH
+                             + b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 404 Not Found"), answer[:80]
+    assert (await _exchange(gw.gateway.port, _chat_request())).startswith(b"HTTP/1.1 200")
+
+
+async def test_an_expectation_other_than_100_continue_gets_417(gw) -> None:
+    answer = await _exchange(gw.gateway.port, _chat_request(b"Expect: something-else\r\n"))
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 417 Expectation Failed"), answer[:80]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "expectation_failed"
+    assert gw.router.total_in_flight() == 0 and not gw.measurements()
+
+
+async def test_a_client_that_stops_reading_is_gone_at_the_write_deadline() -> None:
+    """Each write must be taken within ``write_timeout``: a client reading nothing held its miner's slot for ever
+    (the relay frees the miner when the app sees ClientGone, as for any client that left)."""
+    from gateway.asgi import ClientGone
+    from gateway.http.server import HttpServer
+
+    seen: list[str] = []
+
+    async def endless(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        try:
+            for _ in range(10_000):  # 640 MB at most: bounded, far more than any socket buffer holds
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        except ClientGone:
+            seen.append("gone")
+            raise
+
+    server = HttpServer(endless, port=0, write_timeout=0.3)
+    await server.start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # ... and never reads a byte
+        assert await eventually(lambda: seen == ["gone"], within_s=10.0)
+        writer.close()
+    finally:
+        await server.stop()

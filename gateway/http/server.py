@@ -10,10 +10,10 @@ request. aiohttp is already the project's HTTP library, parses with llhttp (C), 
 when its client disconnects, so no task per request has to watch for that.
 
 What it refuses by itself, each with a test in ``tests/test_front_door.py``: a header line longer than
-``max_head_bytes`` (refused when reached, never buffered), an HTTP/1.1 request without ``Host``, control
-characters in header values. It keeps the body of an ``Upgrade: h2c`` request. The app refuses
-HTTP/0.9; ``Expect: 100-continue`` (stray whitespace too) is answered here, when the app first asks for
-the body.
+``max_head_bytes`` (refused when reached, never buffered), HTTP/0.9. It keeps the body of an
+``Upgrade: h2c`` request. The app refuses an HTTP/1.1 request without ``Host`` and control characters in
+header values; ``Expect: 100-continue`` (stray whitespace too) is answered here, when the app first asks
+for the body.
 
 A write to a client that has left raises :class:`~gateway.asgi.ClientGone` to the app (counted as a
 disconnect), never an error aiohttp would log with a traceback for every such client.
@@ -26,12 +26,18 @@ A malformed request is the client's: aiohttp answers it 400 and would log a trac
 each one, a log any client could fill; :class:`_QuietBadRequests` drops those records (the gateway
 counts refusals it sees; these never reach it).
 
-Connections are capped (``max_connections``): past the cap a new connection gets ``503`` with
-``Retry-After`` and is closed at once, before anything is read, so a flood of idle sockets cannot use
-up the process's file descriptors (the miners' connections need them too: issue 15 saw ~1,020 idle
-sockets block every client and get healthy miners booked ``connect``). A new connection must finish
-the head of its first request within ``header_timeout`` (10 s) or it is closed: a client trickling
-one header byte at a time cannot hold a connection for the whole ``keepalive_timeout``.
+Connections are capped (``max_connections``) and every one holds a deadline except while its request
+is served (:mod:`gateway.http.deadlines`): a head within ``header_timeout`` (10 s, the first one and each
+one after on a kept-alive connection), a body within ``body_timeout`` of when the app asks for it (408 and
+closed otherwise), idle between requests for at most ``keepalive_timeout``. At the cap the longest-idle
+connection is closed to make room; with none idle, a new connection gets ``503`` with ``Retry-After`` and
+is closed at once, before anything is read, so a flood of sockets cannot use up the process's file
+descriptors (the miners' connections need them too: issue 15 saw ~1,020 idle sockets block every client
+and get healthy miners booked ``connect``).
+
+A malformed request gets an OpenAI-shaped JSON error, never aiohttp's plain text echoing the client's
+bytes back: ``431`` for a head over the limits (a header line over ``max_head_bytes``, more than
+``max_headers`` fields), ``400`` otherwise; an HTTP/0.9 request gets a valid ``HTTP/1.1 400`` status line.
 
 The adapter maps ASGI messages onto a ``StreamResponse``: ``http.response.start`` keeps status and
 headers, the first ``http.response.body`` sends them with its bytes, the last one ends the response.
@@ -47,15 +53,18 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from loguru import logger
 
-from ..asgi import ClientGone
+from ..asgi import BodyTimeout, ClientGone
+from ..protocol.errors import error_body
+from .deadlines import ConnectionDeadlines
 
 
 class _QuietBadRequests(logging.Filter):
@@ -90,10 +99,17 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-_FULL_BODY = b'{"error":{"message":"too many connections; retry shortly","type":"server_error","param":null,' \
-             b'"code":"too_many_connections"}}'
-_FULL = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
-         b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(_FULL_BODY)) + _FULL_BODY
+def raw_error(status: int, reason: str, message: str, code: str, *, headers: bytes = b"") -> bytes:
+    """A whole ``HTTP/1.1`` JSON error answer that closes the connection, for refusals made below the app."""
+    body = json.dumps(error_body(message, code=code, type="server_error" if status >= 500 else
+                                 "invalid_request_error"), separators=(",", ":")).encode()
+    return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n%sContent-Length: %d\r\n\r\n"
+            % (status, reason.encode(), headers, len(body))) + body
+
+
+_FULL = raw_error(503, "Service Unavailable", "too many connections; retry shortly", "too_many_connections",
+                  headers=b"Retry-After: 1\r\n")
+_HTTP09 = raw_error(400, "Bad Request", "only HTTP/1.0 and HTTP/1.1 are served", "bad_request")
 
 
 class _Full(asyncio.Protocol):
@@ -105,6 +121,49 @@ class _Full(asyncio.Protocol):
         transport.close()
 
 
+class _Connection(web.RequestHandler):
+    """aiohttp's handler of one client connection, telling the deadlines when bytes arrive and when it closes,
+    and answering a malformed request in JSON (aiohttp's plain text echoes the client's bytes back)."""
+
+    def __init__(self, manager: web.Server, clock: ConnectionDeadlines[Any], **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.clock = clock
+
+    def data_received(self, data: bytes) -> None:
+        self.clock.bytes_arrived(self)
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.clock.closed(self)
+        super().connection_lost(exc)
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status == 400 and (isinstance(exc, LineTooLong) or "Too many headers" in str(exc)):
+            status, text, code = 431, "request head too large (a header line or the number of headers)", \
+                "header_fields_too_large"
+        elif status == 400:
+            text, code = "malformed HTTP request", "bad_request"
+        else:
+            text, code = "internal error", "internal_error"
+        body = json.dumps(error_body(text, code=code), separators=(",", ":"))
+        resp = web.Response(status=status, text=body, content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server, making :class:`_Connection` handlers."""
+
+    def __init__(self, handler: Any, clock: ConnectionDeadlines[Any], **handler_args: Any) -> None:
+        super().__init__(handler, handler_cancellation=True, **handler_args)
+        self.clock = clock
+        self.handler_args = handler_args
+
+    def __call__(self) -> web.RequestHandler:
+        return _Connection(self, self.clock, loop=asyncio.get_running_loop(), **self.handler_args)
+
+
 def connection_cap(requested: int, open_files: int | None) -> int:
     """The client connections to allow: ``requested``, but at most half the process's open-files limit, so
     accepting clients never starves the miners' connections and the state file of descriptors (and asyncio
@@ -112,6 +171,10 @@ def connection_cap(requested: int, open_files: int | None) -> int:
     if open_files is None or open_files <= 0:
         return max(1, requested)
     return max(1, min(requested, open_files // 2))
+
+
+def _force_close(conn: Any) -> None:
+    conn.force_close()  # closes its transport too
 
 
 def _open_files_limit() -> int | None:
@@ -128,23 +191,35 @@ class HttpServer:
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, keepalive_timeout: float = 75.0,
                  max_head_bytes: int = 16 * 1024, shutdown_timeout: float = 5.0, backlog: int = 2048,
-                 max_connections: int = 2048, header_timeout: float = 10.0) -> None:
+                 max_connections: int = 2048, header_timeout: float = 10.0, body_timeout: float = 30.0,
+                 max_headers: int = 128, write_timeout: float = 30.0) -> None:
         self.app = app
+        self.write_timeout = write_timeout
         self.header_timeout = header_timeout
-        self.expired_connections = 0
-        # connections still waiting for their first request head, with the timer that closes them
-        self._pending: dict[Any, asyncio.TimerHandle] = {}
+        self.body_timeout = body_timeout
         self.max_connections = max(1, max_connections)
         self.refused_connections = 0
         self.host = host
         self.requested_port = port
         self.keepalive_timeout = keepalive_timeout
         self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
         self.shutdown_timeout = shutdown_timeout
         self.backlog = backlog
-        self._server: web.Server | None = None
+        self._server: _Server | None = None
+        self._clock: ConnectionDeadlines[Any] | None = None
         self._listener: asyncio.Server | None = None
         self._port = 0
+
+    @property
+    def expired_connections(self) -> int:
+        """Connections closed at a deadline (head, idle)."""
+        return self._clock.expired if self._clock is not None else 0
+
+    @property
+    def evicted_connections(self) -> int:
+        """Idle connections closed to make room for a new one at the cap."""
+        return self._clock.evicted if self._clock is not None else 0
 
     async def start(self) -> None:
         cap = connection_cap(self.max_connections, _open_files_limit())
@@ -153,37 +228,30 @@ class HttpServer:
                            self.max_connections)
             self.max_connections = cap
         sock = _listen(self.host, self.requested_port, self.backlog)
-        self._server = web.Server(self._handle, handler_cancellation=True, access_log=None,
-                                  keepalive_timeout=self.keepalive_timeout, max_line_size=self.max_head_bytes,
-                                  max_field_size=self.max_head_bytes)
+        loop = asyncio.get_running_loop()
+        self._clock = ConnectionDeadlines(loop, head_s=self.header_timeout, idle_s=self.keepalive_timeout,
+                                          expire=_force_close)
+        # aiohttp's own keep-alive timer stays as a backstop, a little later than ours
+        self._server = _Server(self._handle, self._clock, access_log=None,
+                               keepalive_timeout=self.keepalive_timeout + 1.0, max_line_size=self.max_head_bytes,
+                               max_field_size=self.max_head_bytes, max_headers=self.max_headers)
         try:
-            self._listener = await asyncio.get_running_loop().create_server(self._protocol, sock=sock)
+            self._listener = await loop.create_server(self._protocol, sock=sock)
         except BaseException:
             sock.close()
             raise
         self._port = int(sock.getsockname()[1])
 
     def _protocol(self) -> asyncio.BaseProtocol:
-        """A handler for a new connection, or :class:`_Full` past ``max_connections``."""
-        assert self._server is not None
-        if len(self._server.connections) >= self.max_connections:
+        """A handler for a new connection; past ``max_connections``, the longest-idle one is closed to make
+        room, or with none idle the new one gets :class:`_Full`."""
+        assert self._server is not None and self._clock is not None
+        if len(self._clock) >= self.max_connections and not self._clock.evict_idle():
             self.refused_connections += 1
             return _Full()
-        if len(self._pending) > 2 * self.max_connections:  # connections that closed before any request: forget them
-            for gone in [h for h in self._pending if h.transport is None]:
-                self._pending.pop(gone).cancel()
         handler = self._server()
-        self._pending[handler] = asyncio.get_running_loop().call_later(self.header_timeout, self._expire, handler)
+        self._clock.opened(handler)
         return handler
-
-    def _expire(self, handler: Any) -> None:
-        """Close a connection whose first request head did not arrive within ``header_timeout``."""
-        if self._pending.pop(handler, None) is None:
-            return
-        if handler.transport is None:  # it closed by itself meanwhile
-            return
-        self.expired_connections += 1
-        handler.force_close()  # closes its transport too
 
     @property
     def port(self) -> int:
@@ -201,28 +269,47 @@ class HttpServer:
         await listener.wait_closed()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        timer = self._pending.pop(request.protocol, None)
-        if timer is not None:
-            timer.cancel()
+        clock = self._clock
+        assert clock is not None
+        conn = request.protocol
+        clock.request_started(conn)
+        try:
+            return await self._serve(request)
+        finally:
+            clock.request_done(conn)
+
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
         v = request.version
+        if v < (1, 0):  # aiohttp would answer in the request's own version: an invalid "HTTP/0.9 400" line
+            if request.transport is not None:
+                request.transport.write(_HTTP09)
+            conn = request.protocol
+            conn.force_close()
+            return web.Response(status=400)  # never written: the connection is closed
         scope: dict[str, Any] = {
             "type": "http",
             "http_version": f"{v.major}.{v.minor}",
             "method": request.method,
             "path": request.path,
+            "raw_path": request.raw_path.partition("?")[0].encode("latin-1", "replace"),
             "headers": [(k.lower(), val) for k, val in request.raw_headers],
         }
-        state: dict[str, Any] = {"response": None, "start": None, "asked": False}
+        state: dict[str, Any] = {"response": None, "start": None, "body_by": None}
+        loop = asyncio.get_running_loop()
 
         async def receive() -> dict[str, Any]:
-            if request.content.at_eof() and state["asked"]:
+            if request.content.at_eof() and state["body_by"] is not None:
                 await asyncio.Event().wait()  # nothing more to say: a disconnect cancels the handler instead
-            if not state["asked"]:
-                state["asked"] = True
+            if state["body_by"] is None:  # the app asks for the body: its deadline starts now
+                state["body_by"] = loop.time() + self.body_timeout
                 expect = request.headers.get("Expect", "").strip().lower()
                 if expect == "100-continue" and v >= (1, 1) and request.writer is not None:
                     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            chunk = await request.content.readany()
+            try:
+                async with asyncio.timeout_at(state["body_by"]):
+                    chunk = await request.content.readany()
+            except TimeoutError:
+                raise BodyTimeout(self.body_timeout) from None
             return {"type": "http.request", "body": chunk, "more_body": not request.content.at_eof()}
 
         async def send(message: dict[str, Any]) -> None:
@@ -231,8 +318,12 @@ class HttpServer:
                 state["start"] = message
                 return
             try:
-                await _send(message)
+                async with asyncio.timeout(self.write_timeout):
+                    await _send(message)
             except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the client left mid-write
+                raise ClientGone from None
+            except TimeoutError:  # a client that stopped reading holds a miner's slot: it is gone
+                request.protocol.force_close()
                 raise ClientGone from None
 
         async def _send(message: dict[str, Any]) -> None:
