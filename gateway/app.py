@@ -115,6 +115,9 @@ class Gateway:
         self.quota = QuotaBook()  # usage and limits per key name
         # Called with every admitted request (the validator keeps its shape, never its text, for probes).
         self.on_request: Callable[[ChatRequest], None] | None = None
+        # Writes a key's usage row (QuotaBook.mark_due) before its request is served; the validator saves it
+        # to the state file. Failing to write never costs a client its answer (the round's close saves too).
+        self.save_usage: Callable[[tuple[str, str, int, int]], Awaitable[None]] | None = None
         self.limits = SchemaLimits(models=tuple(config.models), default_max_tokens=config.default_max_tokens,
                                    max_tokens_cap=config.max_tokens_cap)
         self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
@@ -279,6 +282,12 @@ class Gateway:
                 logger.opt(exception=True).warning("request observer failed")
         used = ticket.reserved  # a client that leaves mid-answer is charged what it could have used
         try:
+            row = self.quota.mark_due(policy, ticket)
+            if row is not None and self.save_usage is not None:
+                try:
+                    await self.save_usage(row)
+                except Exception as e:
+                    logger.error("could not save API key {!r}'s usage before serving it: {}", policy.name, e)
             used = req.prompt_tokens + await self.relay.serve(req, send)
         except GatewayError:
             used = 0  # no miner answered: nothing was served

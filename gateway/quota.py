@@ -10,7 +10,9 @@ the reservation is settled to what it used (its prompt + the completion tokens t
 counted), so a burst of long requests is refused up front instead of discovered afterwards. A
 refusal says which limit and when to come back (``Retry-After``); the gateway answers it with a 429
 ``rate_limit_exceeded``. Usage per key and UTC day is kept for ``/v1/status`` and saved with the
-scoring state, so a restart does not hand out a fresh day.
+scoring state at each round's close; a key with a daily limit also has a claim ahead of its use written
+before a request is served (:meth:`QuotaBook.mark_due`), so neither a restart nor a kill -9 hands out a
+fresh day.
 
 Example::
 
@@ -79,6 +81,7 @@ class KeyUsage:
     minute_requests: deque[float] = field(default_factory=deque)
     minute_tokens: deque[list[float]] = field(default_factory=deque)  # [at, tokens], oldest first
     minute_sum: int = 0
+    recorded: int = 0  # the day's tokens the state file holds for this key (at least what was admitted)
 
 
 def utc_day(now: float) -> str:
@@ -165,7 +168,26 @@ class QuotaBook:
         u = self.usage.setdefault(name, KeyUsage(day=day))
         if u.day == day:
             u.requests, u.tokens = max(u.requests, requests), max(u.tokens, tokens)
+            u.recorded = max(u.recorded, u.tokens)
+
+    def mark_due(self, policy: KeyPolicy, ticket: Ticket) -> tuple[str, str, int, int] | None:
+        """The row to write *before* an admitted request is served, so a kill -9 cannot hand its key a fresh day.
+
+        Only for a key with a daily limit, and only when its day's tokens passed what the state file holds:
+        the row then claims a twentieth of the limit ahead (at most the limit), so a key is written about 20
+        times a day, not once a request. A restart reads the claim back: it may charge the key up to that
+        twentieth it never used, never less than it used (issue 24: a ``tpd=3000`` key was admitted 4,260
+        tokens over 5 restarts, 2 of them kill -9, with usage saved only at round close).
+        """
+        u = self.usage.get(ticket.key)
+        if policy.tpd is None or u is None or u.day != ticket.day or u.tokens <= u.recorded:
+            return None
+        u.recorded = min(policy.tpd, u.tokens + max(1, policy.tpd // 20))
+        u.recorded = max(u.recorded, u.tokens)
+        return (ticket.key, u.day, u.requests, u.recorded)
 
     def snapshot(self) -> list[tuple[str, str, int, int]]:
-        """``(name, day, requests, tokens)`` per key, to save."""
+        """``(name, day, requests, tokens)`` per key, to save (what the state file then holds)."""
+        for u in self.usage.values():
+            u.recorded = u.tokens
         return [(name, u.day, u.requests, u.tokens) for name, u in sorted(self.usage.items())]

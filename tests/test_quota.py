@@ -147,3 +147,66 @@ def test_key_usage_round_trips_through_the_store(tmp_path: Path) -> None:
         st.save_key_usage([("a", "2026-12-03", 3, 900), ("b", "2026-12-02", 1, 5)])
         st.save_key_usage([("a", "2026-12-03", 4, 1000)])  # the day's totals replace the earlier save
         assert st.load_key_usage("2026-12-03") == [("a", "2026-12-03", 4, 1000)]
+
+
+def test_a_daily_limit_holds_over_restarts_that_never_saved_a_round() -> None:
+    """Issue 24 item 9: a tpd=3000 key was admitted 4,260 tokens over 5 restarts (2 of them kill -9), usage being
+    saved only at round close. Each "process" here dies without saving; only the claims written before serving
+    (mark_due) survive, as they would in the state file."""
+    policy = KeyPolicy("k", tpd=3000)
+    disk: dict[tuple[str, str], tuple[int, int]] = {}
+    admitted = writes = 0
+    for life in range(5):
+        book = QuotaBook()
+        for (name, day), (req, tok) in disk.items():
+            book.restore(name, day, req, tok)
+        for i in range(40):
+            t = book.admit(policy, 100, T0 + life * 100 + i)
+            if isinstance(t, Refusal):
+                break
+            row = book.mark_due(policy, t)
+            if row is not None:  # written before the request is served
+                disk[(row[0], row[1])] = (row[2], row[3])
+                writes += 1
+            admitted += 100
+            book.settle(t, 100, T0 + life * 100 + i)
+        # kill -9: no snapshot, nothing else saved
+    assert 3000 - 150 <= admitted <= 3000  # never more than the limit; at most a twentieth claimed unused
+    assert writes <= 30  # one claim per twentieth of the limit, not one write per request
+
+
+def test_a_key_without_a_daily_limit_writes_no_claims() -> None:
+    book = QuotaBook()
+    p = KeyPolicy("free", rpm=100)
+    t = book.admit(p, 100, T0)
+    assert isinstance(t, Ticket) and book.mark_due(p, t) is None
+
+
+async def test_the_gateway_writes_a_keys_claim_before_the_miner_is_asked(make_miner, make_gateway,
+                                                                         tmp_path: Path) -> None:
+    from tests.fakes import Script, body
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-daily name=daily tpd=100000\n")
+    m = await make_miner(Script("ok", tokens=4))
+    h = await make_gateway([m], keys_file=str(keys))
+    seen: list[tuple[tuple[str, str, int, int], int]] = []
+
+    async def save(row: tuple[str, str, int, int]) -> None:
+        seen.append((row, m.requests))
+
+    async def broken(row: tuple[str, str, int, int]) -> None:
+        raise OSError("disk full")
+
+    h.gateway.save_usage = save
+    for _ in range(2):
+        async with h.chat(body(max_tokens=4), headers={"Authorization": "Bearer sk-daily"}) as r:
+            assert r.status == 200
+            await r.read()
+    assert len(seen) == 1 and seen[0][1] == 0  # one claim (a twentieth of the day), before the miner saw anything
+    assert seen[0][0][0] == "daily" and 5000 < seen[0][0][3] < 5100  # the first reservation + a twentieth
+    h.gateway.save_usage = broken
+    h.gateway.quota.usage["daily"].recorded = 0  # due again
+    async with h.chat(body(max_tokens=4), headers={"Authorization": "Bearer sk-daily"}) as r:
+        assert r.status == 200  # a state file that cannot be written never costs the client its answer
+        await r.read()

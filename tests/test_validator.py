@@ -374,3 +374,26 @@ async def test_running_without_a_reference_is_said_every_round_and_in_status(tmp
     on = build_validator(ValidatorConfig(state_dir=tmp_path / "on", gateway_port=0, audit_model="toy"), FakeChain([]),
                          dev_keypair("Alice"))
     assert on.gateway.config.audits
+
+
+async def test_a_keys_claim_on_its_day_is_in_the_state_file_before_its_request_is_served(tmp_path: Path) -> None:
+    """Issue 24 item 9: nothing saved at round close (a kill -9), and the next process still refuses the key."""
+    import time
+
+    from gateway.quota import KeyPolicy, Refusal, Ticket
+
+    policy = KeyPolicy("capped", tpd=1000)
+    v = await _validator_with_scores(tmp_path, FakeChain([]))
+    assert v.gateway.save_usage is not None  # wired by open_state
+    ticket = v.gateway.quota.admit(policy, 900, time.time())
+    assert isinstance(ticket, Ticket)
+    row = v.gateway.quota.mark_due(policy, ticket)
+    assert row is not None
+    await v.gateway.save_usage(row)  # what the gateway awaits before it serves the request
+    # killed here: no round closed, no stop
+    again = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0), FakeChain([]), dev_keypair("Alice"))
+    await again.open_state()
+    refused = again.gateway.quota.admit(policy, 200, time.time())
+    assert isinstance(refused, Refusal) and refused.limit == "tokens per day"
+    await again.stop()
+    await v.stop()

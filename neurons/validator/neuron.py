@@ -122,6 +122,12 @@ class Validator:
         quota = self.gateway.quota
         for row in await self._io(self.store.load_key_usage, utc_day(time.time())):
             quota.restore(*row)  # today's API key usage survives a restart: no fresh day by restarting
+        store = self.store
+
+        async def save_usage(row: tuple[str, str, int, int]) -> None:
+            await self._io(store.save_key_usage, [row])
+
+        self.gateway.save_usage = save_usage  # a key's claim on its day, written before its request is served
         if self.auditor is not None:
             saved = await self._io(self.store.load_strikes)
             try:
