@@ -40,6 +40,7 @@ from .auth import ApiKeyAuth, load_keys
 from .http.server import HttpServer
 from .protocol.errors import GatewayError, invalid_json, payload_too_large, rate_limited, unauthorized
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, ChatRequest, SchemaLimits, parse_chat_request
+from .protocol.tokens import PromptCounter
 from .quota import KeyPolicy, QuotaBook, Refusal
 from .relay import Relay, RelayConfig
 from .router import Router
@@ -107,8 +108,10 @@ Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[None]]
 class Gateway:
     """Serves ``/v1/chat/completions``, ``/v1/models``, ``/v1/status`` and ``/health``; ``self`` is the ASGI app."""
 
-    def __init__(self, config: GatewayConfig, router: Router, upstream: Upstream) -> None:
+    def __init__(self, config: GatewayConfig, router: Router, upstream: Upstream, *,
+                 counter: PromptCounter | None = None) -> None:
         self.config = config
+        self.counter = counter  # a limited key's prompt tokens, counted as the model counts them (None: estimated)
         self.router = router
         self.upstream = upstream
         self.auth = ApiKeyAuth(config.api_keys)
@@ -134,6 +137,9 @@ class Gateway:
 
     async def start(self) -> None:
         c = self.config
+        if self.counter is not None:
+            await self.counter.start()
+            logger.info("API keys' token limits count prompts with the {}", self.counter.name)
         server = HttpServer(self, host=c.host, port=c.port, keepalive_timeout=c.keepalive_timeout,
                             max_head_bytes=c.max_head_bytes, shutdown_timeout=c.shutdown_timeout,
                             max_connections=c.max_connections, header_timeout=c.header_timeout,
@@ -149,6 +155,8 @@ class Gateway:
         if self._server is not None:
             await self._server.stop()
             self._server = None
+        if self.counter is not None:
+            await self.counter.aclose()
 
     @property
     def port(self) -> int:
@@ -223,6 +231,18 @@ class Gateway:
             if not message.get("more_body", False):
                 return b"".join(parts)
 
+    async def _prompt_tokens(self, policy: KeyPolicy, req: ChatRequest) -> int:
+        """The prompt's tokens as a key's token limits count them: the model's tokenizer where the gateway has one
+        and the key has a token limit (the estimate undercounts digits, emoji and CJK up to 4x), else the
+        estimate. A tokenizer failure falls back to the estimate: it never costs the client its answer."""
+        if self.counter is None or (policy.tpm is None and policy.tpd is None):
+            return req.prompt_tokens
+        try:
+            return await self.counter.count(req.messages)
+        except Exception as e:
+            logger.error("counting a prompt with the {} failed ({}); the estimate is used", self.counter.name, e)
+            return req.prompt_tokens
+
     # -- routes ----------------------------------------------------------------------------------
 
     async def _health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
@@ -254,7 +274,9 @@ class Gateway:
                 "ttft_p50_s": st.ttft_p50() if st else None,
             })
         usage = self.quota.usage.get(policy.name)
+        counted_by = self.counter.name if self.counter is not None else "estimate (4 characters a token)"
         key = {"name": policy.name,  # the caller's own key only: other keys' names and usage are not its business
+               "tokens_counted_by": counted_by,
                "limits": {"rpm": policy.rpm, "tpm": policy.tpm, "tpd": policy.tpd, "streams": policy.streams},
                "day": usage.day if usage else None, "requests_today": usage.requests if usage else 0,
                "tokens_today": usage.tokens if usage else 0, "in_flight": usage.in_flight if usage else 0}
@@ -271,7 +293,8 @@ class Gateway:
         except (ValueError, RecursionError):
             raise invalid_json() from None
         req = parse_chat_request(body, self.limits)
-        ticket = self.quota.admit(policy, req.prompt_tokens + req.max_tokens, time.time())
+        prompt_tokens = await self._prompt_tokens(policy, req)
+        ticket = self.quota.admit(policy, prompt_tokens + req.max_tokens, time.time())
         if isinstance(ticket, Refusal):
             raise rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
                                ticket.retry_after_s)
@@ -288,7 +311,7 @@ class Gateway:
                     await self.save_usage(row)
                 except Exception as e:
                     logger.error("could not save API key {!r}'s usage before serving it: {}", policy.name, e)
-            used = req.prompt_tokens + await self.relay.serve(req, send)
+            used = prompt_tokens + await self.relay.serve(req, send)
         except GatewayError:
             used = 0  # no miner answered: nothing was served
             raise

@@ -214,3 +214,51 @@ def test_local_subnet_real_mode_quarantines_cheaters(tmp_path: Path, capsys: pyt
     doc = json.loads(capsys.readouterr().out)
     w = {row["miner_uid"]: row["weight"] for row in doc["weights"] if row["validator_uid"] == 0}
     assert w.get(1, 0.0) > 0.99 and w.get(2, 0.0) == 0.0 and w.get(3, 0.0) == 0.0, w
+
+
+async def test_limited_keys_are_counted_with_the_models_tokenizer(make_miner, make_gateway, tmp_path: Path) -> None:
+    """Issue 24 item 6: 4 characters a token undercounts digits ~4x, so a key could use ~4x its limit."""
+    from gateway.protocol.tokens import estimate_prompt_tokens
+    from neurons.model.tokenizer import GgufTokenCounter
+    from tests.fakes import Script, body
+
+    counter = GgufTokenCounter(None)
+    await counter.start()
+    digits = [{"role": "user", "content": "1234567890" * 100}]
+    real = await counter.count(digits)
+    assert real >= 1000 > 3 * estimate_prompt_tokens(digits)  # one token a digit; the estimate says 254
+    emoji = await counter.count([{"role": "user", "content": "😀" * 300}])
+    assert emoji >= 300 > 2 * estimate_prompt_tokens([{"role": "user", "content": "😀" * 300}])
+
+    keys = tmp_path / "keys"
+    keys.write_text("sk-tpm name=small tpm=600\n")
+    m = await make_miner(Script("ok", tokens=4))
+    h = await make_gateway([m], keys_file=str(keys))
+    ask = body(max_tokens=4)
+    ask["messages"] = digits
+    headers = {"Authorization": "Bearer sk-tpm"}
+    async with h.chat(ask, headers=headers) as r:  # the estimate (258 tokens) lets it through ...
+        assert r.status == 200
+        await r.read()
+    h.gateway.counter = counter
+    h.gateway.quota.usage.clear()
+    async with h.chat(ask, headers=headers) as r:  # ... the tokenizer (1,000+) does not
+        assert r.status == 429 and "tokens per minute" in (await r.json())["error"]["message"]
+    async with h.client.get(h.base_url + "/v1/status", headers=headers) as r:
+        assert (await r.json())["key"]["tokens_counted_by"].startswith("tokenizer of gemma")
+    await h.gateway.stop()  # closes the counter too
+    assert m.requests == 1
+
+
+def test_the_validator_counts_with_its_references_tokenizer_unless_told_otherwise() -> None:
+    from neurons.keys import dev_keypair
+    from neurons.model.tokenizer import GgufTokenCounter
+    from neurons.validator.build import build_parts
+    from neurons.validator.config import ValidatorConfig
+
+    kp = dev_keypair("Alice")
+    with_model = build_parts(ValidatorConfig(gateway_port=0, audit_model="packaged"), kp)
+    assert isinstance(with_model.gateway.counter, GgufTokenCounter)
+    estimate = build_parts(ValidatorConfig(gateway_port=0, audit_model="packaged", gateway_tokenizer="estimate"), kp)
+    assert estimate.gateway.counter is None
+    assert build_parts(ValidatorConfig(gateway_port=0), kp).gateway.counter is None  # no model in process

@@ -1,9 +1,13 @@
 """The one prompt-size estimate, shared by the gateway (credit's expected prefill) and the simulated card.
 
 Both sides must count alike: if the simulated card prefilled a different number of tokens than the
-validator expects it to, an honest card would look slow or fast by the difference. A real tokenizer
-would be better (it is planned for the reference runtime); until then, ~4 characters a token plus 4
-per message for the chat template's role markers.
+validator expects it to, an honest card would look slow or fast by the difference: ~4 characters a token
+plus 4 per message for the chat template's role markers.
+
+API keys' token limits are a different matter: there the estimate undercounts what a client really spends
+(digits 3.98x, emoji 3.94x, CJK 1.77x against Gemma's tokenizer), so the gateway counts a limited key's
+prompt with a :class:`PromptCounter` (the subnet model's own tokenizer, :mod:`neurons.model.tokenizer`)
+wherever the validator has one, and falls back to this estimate only without one.
 
 Example::
 
@@ -12,7 +16,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4  # role markers the chat template wraps around each message
@@ -36,3 +40,15 @@ def estimate_prompt_tokens(messages: Any) -> int:
         return 0
     return sum((len(message_text(m)) + CHARS_PER_TOKEN - 1) // CHARS_PER_TOKEN + TOKENS_PER_MESSAGE
                for m in messages)
+
+
+class PromptCounter(Protocol):
+    """A prompt's real token count (the model's tokenizer), for the limits of API keys."""
+
+    name: str
+
+    async def start(self) -> None: ...
+
+    async def count(self, messages: list[dict[str, Any]]) -> int: ...
+
+    async def aclose(self) -> None: ...

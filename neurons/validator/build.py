@@ -30,6 +30,7 @@ from gateway.app import Gateway, GatewayConfig
 from gateway.http.client import MinerClient
 from gateway.protocol.openai import ChatRequest
 from gateway.protocol.signing import RequestSigner
+from gateway.protocol.tokens import PromptCounter
 from gateway.router import Router
 from gateway.upstream import Upstream, UpstreamLimits, UpstreamTimeouts
 from scoring.audit import AuditBands, StrikeBook
@@ -39,6 +40,7 @@ from scoring.profiles import load_profile
 from scoring.scorer import Scorer
 
 from ..chain.base import Chain
+from ..model.tokenizer import GgufTokenCounter
 from .auditor import Auditor
 from .config import ValidatorConfig
 from .neuron import Validator
@@ -113,7 +115,7 @@ def build_parts(
     gateway_options.setdefault("audits", reference is not None)
     gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
                                         keys=api_keys, max_retries=cfg.max_retries, **gateway_options)
-    gateway = Gateway(gw_cfg, router, upstream)
+    gateway = Gateway(gw_cfg, router, upstream, counter=_prompt_counter(cfg, reference))
     scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
     shapes = ShapeSample(rng=random.Random(seed_rng.random()))
@@ -146,6 +148,18 @@ def _reference(cfg: ValidatorConfig) -> Reference:
         return ToyReference()
     path = None if cfg.audit_model == "packaged" else Path(cfg.audit_model).expanduser()
     return LlamaReference(path, n_ctx=cfg.audit_context, threads=cfg.audit_threads)
+
+
+def _prompt_counter(cfg: ValidatorConfig, reference: Reference | None) -> PromptCounter | None:
+    """What counts a limited API key's prompt tokens (loaded in ``start``): the subnet model's tokenizer."""
+    choice = cfg.gateway_tokenizer
+    if choice == "estimate":
+        return None
+    if choice != "auto":
+        return GgufTokenCounter(Path(choice).expanduser())
+    if isinstance(reference, LlamaReference):
+        return GgufTokenCounter(reference.path)
+    return None
 
 
 def build_validator(cfg: ValidatorConfig, chain: Chain, keypair: Any, **kwargs: Any) -> Validator:

@@ -48,6 +48,9 @@ class ValidatorConfig:
     drain_s: float = 5.0  # on a stop (SIGTERM, Ctrl-C): how long streams in progress may take to finish
     free_sampling: bool = False  # send no sampler seed: sampled answers audited by plausibility only
     max_connections: int = 2048  # client connections at once (each is a file descriptor)
+    # How limited API keys' prompts are counted: "auto" (the in-process reference's GGUF tokenizer, else the
+    # estimate), "estimate" (4 characters a token), or a GGUF file whose tokenizer counts them.
+    gateway_tokenizer: str = "auto"
     prompt_mix: str = "gpu"  # sizes of probe (and local traffic) requests: "gpu" or "cpu" (neurons.validator.prompts)
     credit_profile: str = "rtx5090"  # the card whose speed earns full credit (a name, or a calibrated JSON file)
     # Verified inference: the reference that audits answers ("none", "packaged", or a GGUF file path).
@@ -109,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a client waits at most for a first byte, across every miner tried")
     gw.add_argument("--gateway.max-connections", dest="max_connections", type=int, default=d.max_connections,
                     help="client connections at once; more get 503 and are closed at once (file descriptors)")
+    gw.add_argument("--gateway.tokenizer", dest="gateway_tokenizer", default=d.gateway_tokenizer,
+                    help="how API keys' token limits count a prompt: auto (the tokenizer of --audit.model when it "
+                         "runs in process, else the estimate) | estimate (4 characters a token, undercounts "
+                         "digits, emoji and CJK up to 4x) | path to a GGUF file of the subnet's model")
     gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
                     help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
     gw.add_argument("--gateway.free-sampling", dest="free_sampling", action="store_true",

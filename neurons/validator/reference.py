@@ -62,13 +62,13 @@ class LlamaReference:
 
     def __init__(self, path: Path | None = None, *, n_ctx: int = 4096, threads: int = 1) -> None:
         self.name = f"llama.cpp:{MODEL_ID if path is None else path.name}"
-        self._path = path
+        self.path = path  # None: the packaged model
         self._n_ctx = n_ctx
         self._threads = threads
         self._worker = EngineThread("reference")
 
     async def start(self) -> None:
-        path = self._path if self._path is not None else await asyncio.to_thread(model_path)
+        path = self.path if self.path is not None else await asyncio.to_thread(model_path)
         if not await asyncio.to_thread(path.is_file):
             raise ModelUnavailable(f"reference model {path}: no such file")
         await self._worker.load(path, n_ctx=self._n_ctx, threads=self._threads)
