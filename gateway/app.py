@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import json
 import re
@@ -38,7 +40,14 @@ from loguru import logger
 from .asgi import BodyTimeout, ClientGone, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, load_keys
 from .http.server import HttpServer
-from .protocol.errors import GatewayError, invalid_json, payload_too_large, rate_limited, unauthorized
+from .protocol.errors import (
+    GatewayError,
+    invalid_json,
+    payload_too_large,
+    rate_limited,
+    shutting_down,
+    unauthorized,
+)
 from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, ChatRequest, SchemaLimits, parse_chat_request
 from .protocol.tokens import PromptCounter
 from .quota import KeyPolicy, QuotaBook, Refusal
@@ -47,6 +56,7 @@ from .router import Router
 from .upstream import Upstream, UpstreamTimeouts
 
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
+_CLOSE_AFTER = frozenset({400, 401, 408, 413, 417, 503})  # refusals after which the connection is not worth keeping
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters (tab allowed) in a header value
 
 
@@ -132,6 +142,10 @@ class Gateway:
             "/health": {"GET": self._health},
         }
         self._server: HttpServer | None = None
+        self.stopping = False  # stop() began: new completion requests get 503 shutting_down
+        self._serving = 0  # completion requests admitted and not yet answered
+        self._all_served = asyncio.Event()
+        self._all_served.set()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -152,9 +166,21 @@ class Gateway:
         logger.info("gateway listening on http://{}:{}", c.host, server.port)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            await self._server.stop()
-            self._server = None
+        """Stop (SIGTERM): accept nothing new, give requests in progress ``shutdown_timeout`` to finish, then end
+        the streams still running with an error event and ``[DONE]`` (:meth:`Relay.cut`), each client charged
+        only what it received, before the server closes what is left."""
+        server, self._server = self._server, None
+        if server is not None:
+            self.stopping = True
+            server.stop_accepting()
+            if self._serving:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.config.shutdown_timeout):
+                        await self._all_served.wait()
+            if self.relay.cut():
+                logger.warning("stopping: streams still running after the {} s drain were cut with an error event",
+                               self.config.shutdown_timeout)
+            await server.stop(grace_s=1.0)  # a handler writing its error event has a second to finish it
         if self.counter is not None:
             await self.counter.aclose()
 
@@ -175,7 +201,7 @@ class Gateway:
             await route(scope, headers, receive, send)
         except GatewayError as e:
             self.outcomes[str(e.status)] += 1
-            await send_json(send, e.status, e.body(), headers=e.headers, close=e.status in (400, 401, 408, 413, 417))
+            await send_json(send, e.status, e.body(), headers=e.headers, close=e.status in _CLOSE_AFTER)
         except ClientGone:
             self.outcomes["client_disconnect"] += 1
 
@@ -286,6 +312,8 @@ class Gateway:
                                     "miners": miners, "key": key})
 
     async def _chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        if self.stopping:  # a kept-alive connection asking during the drain: another replica should serve it
+            raise shutting_down()
         policy = self._authorize(headers)  # from the head: an unauthenticated client cannot make us read its body
         raw = await self._read_body(headers, receive)
         try:
@@ -304,6 +332,8 @@ class Gateway:
             except Exception:  # an observer must never cost a client its answer
                 logger.opt(exception=True).warning("request observer failed")
         used = ticket.reserved  # a client that leaves mid-answer is charged what it could have used
+        self._serving += 1
+        self._all_served.clear()
         try:
             row = self.quota.mark_due(policy, ticket)
             if row is not None and self.save_usage is not None:
@@ -317,6 +347,9 @@ class Gateway:
             raise
         finally:
             self.quota.settle(ticket, used, time.time())
+            self._serving -= 1
+            if not self._serving:
+                self._all_served.set()
 
 
 def _headers(scope: Scope) -> dict[str, str]:

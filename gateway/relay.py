@@ -38,7 +38,15 @@ from typing import Any
 from scoring.measurement import FailureReason
 
 from .asgi import Send, send_json
-from .protocol.errors import GatewayError, bad_gateway, bad_request, gateway_timeout, no_capacity, overloaded
+from .protocol.errors import (
+    GatewayError,
+    bad_gateway,
+    bad_request,
+    gateway_timeout,
+    no_capacity,
+    overloaded,
+    shutting_down,
+)
 from .protocol.openai import ChatRequest
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .router import Router
@@ -73,6 +81,21 @@ class Relay:
         self.router = router
         self.upstream = upstream
         self.outcomes = outcomes
+        self.stopping = False  # set by cut(): no new miner is tried, streams in progress end
+        self._live: set[UpstreamStream] = set()
+
+    def cut(self) -> int:
+        """End every stream still in progress (the gateway is stopping and the drain is over); returns how many.
+
+        Each ends the way a failed miner's does once the client has bytes, an error event (``shutting_down``)
+        and ``[DONE]``, so no client is left with a response that just stops; one that has seen nothing gets a
+        503. The miner is not blamed (``shutdown``), and the client is charged what it received.
+        """
+        self.stopping = True
+        live = list(self._live)
+        for stream in live:
+            stream.close(FailureReason.SHUTDOWN)
+        return len(live)
 
     async def serve(self, req: ChatRequest, send: Send) -> int:
         """Answer ``req``; returns the completion tokens delivered (what the client's key is charged).
@@ -103,11 +126,14 @@ class Relay:
                 break  # the client has waited its budget: answer now rather than try one more miner
             first_token = min(base.first_token, max(left, MIN_ATTEMPT_S))  # what is left of the budget
             timeouts = base if first_token == base.first_token else dataclasses.replace(base, first_token=first_token)
+            if self.stopping:
+                raise shutting_down()
             lease = self.router.acquire(exclude=tried)
             if lease is None:
                 break
             tried.add(lease.miner.uid)
             served = False
+            stream: UpstreamStream | None = None
             try:
                 try:
                     stream = await self.upstream.open(lease, payload, timeouts=timeouts, held=not req.stream)
@@ -122,6 +148,7 @@ class Relay:
                         continue  # one miner's word is not enough to refuse a client: ask another
                     failures.append(e)
                     continue
+                self._live.add(stream)
                 async with stream:
                     try:
                         if req.stream:
@@ -137,6 +164,8 @@ class Relay:
                     served = stream.ok
                     return stream.tokens
             finally:
+                if stream is not None:
+                    self._live.discard(stream)
                 self.router.release(lease, served=served)
         if rejected and not failures:
             raise self._rejected(rejected)  # no other miner was there to say otherwise
@@ -265,6 +294,8 @@ def _exhausted(failures: list[UpstreamError]) -> GatewayError:
 
 
 def _mid_stream_error(e: UpstreamError) -> GatewayError:
+    if e.reason == FailureReason.SHUTDOWN:
+        return shutting_down("the gateway is shutting down; the answer is cut here (retry for the rest)")
     if e.reason == FailureReason.TIMEOUT:
         return gateway_timeout("the miner stalled mid-answer")
     return bad_gateway(f"the miner failed mid-answer: {e.reason}", code="upstream_failed_mid_stream")

@@ -26,7 +26,7 @@ from gateway.protocol.sampling import SamplingParams
 
 
 class FailureReason(StrEnum):
-    """Why a dispatch did not produce a complete answer; all but four are the miner's failure.
+    """Why a dispatch did not produce a complete answer; all but five are the miner's failure.
 
     A ``StrEnum`` so the value is the stable string persisted in SQLite and shown in round tables and
     ``/v1/status``, while code compares members, never loose strings.
@@ -45,12 +45,13 @@ class FailureReason(StrEnum):
     LOCAL_RESOURCES = "local_resources"  # the validator ran out of file descriptors or memory: not the miner's fault
     CLIENT_REJECTED = "client_rejected"  # the miner's runtime refused the request as the client's fault (400)
     AUDIT_FAILED = "audit_failed"  # complete, but the reference says the tokens are not the model's answer
+    SHUTDOWN = "shutdown"  # the validator stopped (SIGTERM) while the stream outlived the drain: not the miner's fault
 
     @property
     def blames_miner(self) -> bool:
         """Whether this outcome costs the miner credit (a truthful 429 and a client leaving do not)."""
         return self not in (FailureReason.BUSY, FailureReason.CLIENT_DISCONNECT, FailureReason.CLIENT_REJECTED,
-                            FailureReason.LOCAL_RESOURCES)
+                            FailureReason.LOCAL_RESOURCES, FailureReason.SHUTDOWN)
 
 
 @dataclass(frozen=True, slots=True)

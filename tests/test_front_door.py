@@ -537,3 +537,56 @@ async def test_a_client_that_stops_reading_is_gone_at_the_write_deadline() -> No
         writer.close()
     finally:
         await server.stop()
+
+
+async def test_a_stream_that_outlives_the_drain_ends_with_an_error_event_and_done(make_miner, make_gateway,
+                                                                                  tmp_path) -> None:
+    """Issue 24 item 7: SIGTERM cut 12 of 12 such streams with no error event and no [DONE], and charged each
+    client its whole reservation."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-day name=day tpd=1000000\n")
+    m = await make_miner(Script("ok", tokens=60, token_delay=0.1))  # 6 s: far past the drain
+    h = await make_gateway([m], shutdown_timeout=0.4, keys_file=str(keys))
+    raw = json.dumps(body(max_tokens=60)).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer sk-day\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+    task = asyncio.create_task(_exchange(h.gateway.port, request, within=8.0))
+    assert await eventually(lambda: m.active == 1)
+    await asyncio.sleep(0.3)
+    t0 = time.monotonic()
+    await h.gateway.stop()
+    assert time.monotonic() - t0 < 3.0
+    answer = await task
+    events = [line[6:].strip() for line in answer.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", answer[-300:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "shutting_down"
+    received = sum(1 for e in events[:-2] if json.loads(e)["choices"][0]["delta"].get("content"))
+    assert 1 <= received < 60
+    charged = h.gateway.quota.usage["day"].tokens
+    assert charged < 60 + 30  # the prompt + what it received, not the 60-token reservation and more
+    assert charged - received <= 30
+    cut = [x for x in h.measurements() if not x.ok]
+    assert [x.failure for x in cut] == [FailureReason.SHUTDOWN] and not cut[0].failure.blames_miner
+    assert await eventually(lambda: m.active == 0)
+
+
+async def test_a_request_during_the_drain_gets_503_shutting_down(make_miner, make_gateway) -> None:
+    m = await make_miner(Script("ok", tokens=20, token_delay=0.1))
+    h = await make_gateway([m], shutdown_timeout=1.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", h.gateway.port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")  # a kept-alive connection, open before the stop
+        await asyncio.wait_for(reader.readuntil(b"}"), 5)
+        busy = asyncio.create_task(_exchange(h.gateway.port, _chat_request(), within=8.0))
+        assert await eventually(lambda: m.active == 1)
+        stopping = asyncio.create_task(h.gateway.stop())
+        await asyncio.sleep(0.1)
+        writer.write(_chat_request())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head.lower(), head
+        await stopping
+        await busy
+        assert m.requests == 1  # the request during the drain never reached a miner
+    finally:
+        writer.close()

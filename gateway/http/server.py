@@ -259,13 +259,19 @@ class HttpServer:
             raise RuntimeError("server not started")
         return self._port
 
-    async def stop(self) -> None:
-        """Stop accepting, let requests in progress finish for ``shutdown_timeout``, then cancel them."""
+    def stop_accepting(self) -> None:
+        """Close the listening socket (connections already open stay, until :meth:`stop`)."""
+        if self._listener is not None:
+            self._listener.close()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let requests in progress finish for ``grace_s`` (default ``shutdown_timeout``), then
+        cancel them."""
         listener, self._listener = self._listener, None
         if listener is None or self._server is None:
             return
         listener.close()
-        await self._server.shutdown(self.shutdown_timeout)
+        await self._server.shutdown(self.shutdown_timeout if grace_s is None else grace_s)
         await listener.wait_closed()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:

@@ -98,6 +98,11 @@ def overloaded(message: str = "the gateway is out of resources; retry shortly") 
     return GatewayError(503, message, type=SERVER, code="gateway_overloaded", headers={"Retry-After": "1"})
 
 
+def shutting_down(message: str = "the gateway is shutting down; retry shortly") -> GatewayError:
+    """A request the gateway will not finish because it is stopping (SIGTERM): retry, on another replica say."""
+    return GatewayError(503, message, type=SERVER, code="shutting_down", headers={"Retry-After": "1"})
+
+
 def bad_gateway(message: str = "the miner failed to answer", code: str = "upstream_failed") -> GatewayError:
     return GatewayError(502, message, type=UPSTREAM, code=code)
 
