@@ -205,3 +205,35 @@ async def test_reference_service_round_trip_key_and_bad_requests() -> None:
         raise AssertionError("an unreachable service started")
     except ModelUnavailable:
         pass
+
+
+async def test_reference_service_refuses_to_listen_open_beyond_loopback_and_reads_any_bearer() -> None:
+    """Issue 24 item 10: the README started it on 0.0.0.0 with no key; a non-UTF-8 Authorization was a 500 with
+    a traceback; ``bearer`` in lower case got 401."""
+    import aiohttp
+
+    from neurons.reference.__main__ import main as reference_main
+    from neurons.reference.protocol import AUDIT_PATH, encode_request
+    from neurons.reference.server import OpenReferenceRefused, is_loopback, start_reference_service
+
+    for host in ("0.0.0.0", "::", "192.168.1.5", "gpu-box"):
+        assert not is_loopback(host)
+        with pytest.raises(OpenReferenceRefused, match="TENSORGATE_AUDIT_KEY"):
+            await start_reference_service(ScriptedReference(), host=host, key=None)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert await asyncio.to_thread(reference_main, ["--host", "0.0.0.0", "--port", "0"]) == 2  # exits, says why
+
+    runner, port = await start_reference_service(ScriptedReference(), key="k1")
+    url = f"http://127.0.0.1:{port}{AUDIT_PATH}"
+    a = m("honest").answer
+    assert a is not None
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, data=encode_request(a, AuditBands()), headers={"Authorization": "bearer k1"}) as r:
+                assert r.status == 200
+            raw = b"Bearer k\xff\xfe"  # not UTF-8: a wrong key, not a crash
+            async with s.post(url, data=encode_request(a, AuditBands()),
+                              headers={"Authorization": raw.decode("latin-1")}) as r:
+                assert r.status == 401
+    finally:
+        await runner.cleanup()

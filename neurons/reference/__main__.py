@@ -17,14 +17,14 @@ from loguru import logger
 from ..model.packaged import ModelUnavailable
 from ..supervise import until_stop_signal
 from ..validator.reference import LlamaReference
-from .server import start_reference_service
+from .server import OpenReferenceRefused, start_reference_service
 
 
 async def _run(args: argparse.Namespace, path: Path | None) -> int:
     try:
         runner, port = await start_reference_service(LlamaReference(path, n_ctx=args.context, threads=args.threads),
                                                      host=args.host, port=args.port)
-    except ModelUnavailable as e:
+    except (ModelUnavailable, OpenReferenceRefused) as e:
         logger.error("{}", e)
         return 2
     logger.info("reference service on http://{}:{} (model {})", args.host, port, args.model)

@@ -2,7 +2,10 @@
 
 One model context, one audit at a time (the :class:`~neurons.validator.reference.LlamaReference`
 thread); a validator's auditor sends one request at a time anyway. With ``TENSORGATE_AUDIT_KEY`` set,
-requests must carry it as a bearer key.
+requests must carry it as a bearer key (the scheme in any case, as HTTP says; a header that is not UTF-8
+is a wrong key, never a 500). Without a key it serves loopback only: one audit of a 3,000-token answer
+costs ~39 s of CPU, so an open service on a public address is a way to burn the operator's machine, and
+:func:`start_reference_service` refuses to start that way (:class:`OpenReferenceRefused`).
 
 Example::
 
@@ -12,11 +15,14 @@ Example::
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import os
 
 from aiohttp import web
 from loguru import logger
+
+from gateway.auth import bearer_token
 
 from ..validator.reference import Reference
 from .protocol import AUDIT_PATH, KEY_ENV, BadAuditRequest, decode_request, verdict_to_json
@@ -45,8 +51,8 @@ def reference_app(reference: Reference, key: str | None = None) -> web.Applicati
 
     async def audit(request: web.Request) -> web.Response:
         if key is not None:
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), key.encode()):
+            given = bearer_token(request.headers.get("Authorization")) or ""
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
                 return _error(401, "missing or wrong bearer key")
         try:
             answer, bands = decode_request(json.loads(await request.read()))
@@ -66,11 +72,31 @@ def reference_app(reference: Reference, key: str | None = None) -> web.Applicati
     return app
 
 
+class OpenReferenceRefused(ValueError):
+    """The service was asked to listen beyond loopback without a key."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only listens on this machine."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 async def start_reference_service(reference: Reference, *, host: str = "127.0.0.1", port: int = 0,
                                   key: str | None = None) -> tuple[web.AppRunner, int]:
-    """Serve ``reference`` (loaded before this returns); ``key`` defaults to ``$TENSORGATE_AUDIT_KEY``."""
-    runner = web.AppRunner(reference_app(reference, key if key is not None else os.environ.get(KEY_ENV) or None),
-                           access_log=None)
+    """Serve ``reference`` (loaded before this returns); ``key`` defaults to ``$TENSORGATE_AUDIT_KEY``.
+
+    Raises :class:`OpenReferenceRefused` for a non-loopback ``host`` without a key, before loading anything.
+    """
+    key = key if key is not None else os.environ.get(KEY_ENV) or None
+    if key is None and not is_loopback(host):
+        raise OpenReferenceRefused(f"the reference service would listen on {host} with no key: set {KEY_ENV} "
+                                   f"(validators send it with --audit.url), or listen on 127.0.0.1")
+    runner = web.AppRunner(reference_app(reference, key), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
