@@ -150,7 +150,8 @@ async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -
         for i in range(cfg.local_miners + len(cfg.local_cheats)):
             mkey = dev_keypair(f"Miner{i + 1}")
             runtime, label, slots = await _runtime(cfg, i, rng, runtimes)
-            runner, port = await start_miner(mkey, runtime, slots=slots, trust=trust, host="127.0.0.1", port=0)
+            runner, port = await start_miner(mkey, runtime, slots=slots, trust=trust, host="127.0.0.1", port=0,
+                                             contexts=slots if cfg.local_runtime == "real" else None)
             runners.append(runner)
             uid = substrate.register(mkey.ss58_address, mkey.ss58_address, endpoint=f"127.0.0.1:{port}",
                                      validator_permit=False, stake=0.0)

@@ -239,3 +239,16 @@ def test_one_near_tie_miss_never_fails_a_short_answer() -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="min_misses"):
             AuditBands(min_misses=bad)  # type: ignore[arg-type]
+
+
+def test_ids_may_run_on_through_a_stop_string_that_ends_in_the_last_token() -> None:
+    """A runtime honouring ``stop`` sends the text before the string and names every id it generated (issue 24)."""
+    def fails(a: Answer) -> bool:
+        return isinstance(check_ids(a, vocab_size=262144, piece=piece, stop_ids=STOPS), Verdict)
+
+    assert not fails(answer(text="Hello", ids=(5, 6, 7), stop=(" wo",)))  # " wo" completes in the last token
+    assert not fails(answer(text="Hel", ids=(5, 6), stop=("lo",)))
+    assert fails(answer(text="Hel", ids=(5, 6, 7), stop=("lo",)))  # a whole token more after the stop string
+    assert fails(answer(text="Hel", ids=(5, 6), stop=("xx",)))  # not the client's stop string
+    assert fails(answer(text="Hel", ids=(5, 6), stop=()))
+    assert fails(answer(text="Hel", ids=(5, 6), stop=("lo",), finish="length"))  # only an answer that stopped

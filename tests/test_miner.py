@@ -255,6 +255,39 @@ async def test_full_miner_answers_429_at_once_never_queues(session: aiohttp.Clie
     assert status == 200
 
 
+async def test_contexts_in_all_are_shared_honestly_across_validators(session: aiohttp.ClientSession,
+                                                                     make_ref_miner: Any) -> None:
+    """Issue 24 item 5: --slots counted per validator while the runtime had --slots contexts in all, so a second
+    validator waited behind the first. With ``contexts`` the miner answers it 429 at once instead, and says how
+    many contexts it has in /health."""
+    dave = dev_keypair("Dave")
+    m = await make_ref_miner(runtime=fast_card(time_scale=1.0), slots=2, contexts=2,
+                             trust=AllowList({VALI.ss58_address, dave.ss58_address}))
+    async with session.get(m.url + "/health") as r:
+        health = await r.json()
+    assert health["slots"] == 2 and health["contexts"] == 2
+    first, second = Signer(), Signer(dave)
+    held = []
+    for _ in range(2):
+        raw = payload(max_tokens=20000)  # holds its slot
+        resp = await session.post(m.url + CHAT_PATH, data=raw, headers=first.headers(raw))
+        assert resp.status == 200
+        await resp.content.readany()
+        held.append(resp)
+    raw = payload()
+    t0 = time.monotonic()
+    async with session.post(m.url + CHAT_PATH, data=raw, headers=second.headers(raw)) as r:
+        assert r.status == 429 and r.headers["X-Miner-Slots"] == "2"
+        assert "contexts" in _err(await r.json())["message"]
+    assert time.monotonic() - t0 < 1.0  # refused at once, not queued behind the other validator's streams
+    held.pop().close()
+    await m.wait_busy(1)
+    status, _ = await post(session, m, raw, second.headers(raw))
+    assert status == 200
+    for resp in held:
+        resp.close()
+
+
 async def test_slot_freed_on_runtime_error(session: aiohttp.ClientSession, make_ref_miner: Any) -> None:
     m = await make_ref_miner(runtime=fast_card(fail_rate=1.0), slots=1)
     for _ in range(3):  # would be 429 after the first if the slot leaked
@@ -614,3 +647,23 @@ async def test_a_one_slot_miner_is_free_again_when_the_validator_reads_done(make
             h.router.release(lease)
     failures = [x.failure for x in h.measurements() if not x.ok]
     assert failures == [] and m.server.refused_busy == 0
+
+
+def test_stop_matcher_holds_back_only_what_may_start_a_stop_string() -> None:
+    from neurons.miner.runtimes.llama import StopMatcher
+
+    m = StopMatcher(("END", "\n\n"))
+    assert m.feed("Hello", [1]) == [("Hello", [1])]
+    assert m.feed(" E", [2]) == []  # " E" may start "END": held, whole token and ids
+    assert m.feed("x", [3]) == [(" E", [2]), ("x", [3])]  # it did not
+    assert m.feed("\n", [4]) == []
+    got = m.feed("\nEN", [5])  # the stop string completes inside this token
+    assert got == [("", [4, 5])] and m.stopped  # the text before it (none), every id generated so far
+    m = StopMatcher(("END",))
+    assert m.feed("ab", [1]) == [("ab", [1])]
+    assert m.feed("cEN", [2]) == []
+    assert m.feed("Dtail", [3]) == [("c", [2, 3])] and m.stopped  # "c" sent, ids up to the stop's last token
+    m = StopMatcher(("END",))
+    m.feed("E", [1])
+    assert m.flush() == [("E", [1])]  # the answer ended: what was held is sent
+    assert StopMatcher(()).feed("x", [9]) == [("x", [9])]

@@ -14,6 +14,7 @@ for what a z-score can tell on a handful of answers (random and hotter tokens).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import os
@@ -262,3 +263,74 @@ def test_the_validator_counts_with_its_references_tokenizer_unless_told_otherwis
     estimate = build_parts(ValidatorConfig(gateway_port=0, audit_model="packaged", gateway_tokenizer="estimate"), kp)
     assert estimate.gateway.counter is None
     assert build_parts(ValidatorConfig(gateway_port=0), kp).gateway.counter is None  # no model in process
+
+
+async def test_runtime_refuses_when_its_contexts_are_busy_and_a_cancel_stops_a_prefill() -> None:
+    """Issue 24 item 5: a caller that hung up during a long prefill held the context until the prompt was read
+    (the next request waited 4.79 s for its first byte, 0.06 s alone); a busy runtime queued instead of 429."""
+    import time
+
+    rt = LlamaRuntime(model_path(), slots=1, n_ctx=2048, seed=1)
+    await rt.start()
+    try:
+        assert rt.capacity == 1
+        long = [{"role": "user", "content": "Tell me about the sea. " * 300}]  # ~1,800 prompt tokens: 4 batches
+        t0 = time.monotonic()
+        gen = rt.stream({"messages": long, "max_tokens": 1})
+        await anext(gen)  # the role chunk comes once the prompt is read
+        full = time.monotonic() - t0
+        with pytest.raises(RuntimeFailure) as busy:  # the one context is held: refused at once, no wait
+            t1 = time.monotonic()
+            await anext(rt.stream({"messages": PROMPTS[0], "max_tokens": 2}))
+        assert busy.value.status == 429 and busy.value.code == "busy" and time.monotonic() - t1 < 0.5
+        await gen.aclose()
+
+        gen = rt.stream({"messages": long, "max_tokens": 1})
+        task = asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(full / 8)  # inside the first batch of the prefill
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await gen.aclose()  # the caller left
+        t2 = time.monotonic()
+        more = [f async for f in rt.stream({"messages": PROMPTS[0], "max_tokens": 2})]
+        waited = time.monotonic() - t2
+        assert more[-1].endswith(b"data: [DONE]\n\n")
+        print(f"\nprefill of ~1,800 tokens {full:.2f} s; next request after a cancel inside it: {waited:.2f} s")
+        assert waited < 0.75 * full, (waited, full)  # stopped within a batch, not at the end of the prompt
+    finally:
+        await rt.aclose()
+
+
+async def test_runtime_honours_stop_strings_and_the_answer_still_passes_its_audit(reference: LlamaEngine) -> None:
+    """Issue 24 item 8: the real miner ignored ``stop``."""
+    rt = LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1)
+    await rt.start()
+
+    async def ask(**extra: Any) -> tuple[StreamMeter, dict[str, Any]]:
+        body = {"messages": PROMPTS[2], "max_tokens": 24, "temperature": 0, "return_token_ids": True, **extra}
+        meter = StreamMeter(max_tokens=24, started_at=0.0, keep_answer=True)
+        async for frames in rt.stream(body):
+            meter.feed(frames, now=1.0)
+        return meter, body
+
+    try:
+        free, _ = await ask()
+        text = "".join(free.text)
+        words = text.split()
+        stop_word = next(w for w in words[3:] if len(w) > 3)  # a word in the middle of the answer
+        cut = text.find(stop_word)
+        for stop in (stop_word, [stop_word[1:3], "zzzz-never"]):  # a whole word, and two letters inside one
+            meter, body = await ask(stop=stop)
+            got = "".join(meter.text)
+            first = min(i for i in (text.find(s) for s in ([stop] if isinstance(stop, str) else stop)) if i >= 0)
+            assert got == text[:first] and meter.finish_reason == "stop", (got, text, stop)
+            assert first <= cut + 1
+            answer = Answer(messages=PROMPTS[2], sampling=SamplingParams.of(body), max_tokens=24,
+                            stop=(stop,) if isinstance(stop, str) else tuple(stop), text=got,
+                            token_ids=tuple(meter.ids), finish_reason="stop")
+            assert _verdict(reference, answer).passed
+            forged = dataclasses.replace(answer, token_ids=tuple(meter.ids) + tuple(free.ids[len(meter.ids):][:3]))
+            assert not _verdict(reference, forged).passed  # no more ids may hide behind the stop string
+    finally:
+        await rt.aclose()

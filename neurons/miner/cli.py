@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runtime.gguf", dest="runtime_gguf", default=None, metavar="PATH|packaged",
                    help="serve a GGUF model in process on llama.cpp (needs '.[real]'): 'packaged' is the subnet's "
                         "Gemma 3 270M; each slot gets its own context and --runtime.threads threads")
+    p.add_argument("--runtime.contexts", dest="runtime_contexts", type=int, default=None,
+                   help="--runtime.gguf: contexts to load, the streams it runs at once in all validators together "
+                        "(default --slots; with V validators calling, V x --slots serves each its slots, fewer "
+                        "answers some of them 429, which they book as refusals)")
     p.add_argument("--runtime.threads", dest="runtime_threads", type=int, default=1,
                    help="CPU threads per slot of --runtime.gguf")
     p.add_argument("--runtime.sim", dest="runtime_sim", default=None,
@@ -65,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.slots < 1:
         p.error("--slots must be >= 1")
+    if args.runtime_contexts is not None and args.runtime_contexts < 1:
+        p.error("--runtime.contexts must be >= 1")
     named = [flag for flag, v in (("--runtime.url", args.runtime_url), ("--runtime.gguf", args.runtime_gguf),
                                   ("--runtime.sim", args.runtime_sim)) if v is not None]
     if len(named) > 1:
@@ -93,6 +99,7 @@ async def _run(args: argparse.Namespace) -> int:
         return 2
     async with contextlib.AsyncExitStack() as stack:
         runtime: Runtime
+        contexts: int | None = None  # streams the runtime runs at once in all (None: not a fixed number)
         if args.runtime_url:
             from .runtimes.proxy import ProxyRuntime
 
@@ -108,14 +115,15 @@ async def _run(args: argparse.Namespace) -> int:
             from .runtimes.llama import LlamaRuntime
 
             try:
-                llama = LlamaRuntime(args.model_file, slots=args.slots, threads=args.runtime_threads,
-                                     seed=args.runtime_seed)
+                llama = LlamaRuntime(args.model_file, slots=args.runtime_contexts or args.slots,
+                                     threads=args.runtime_threads, seed=args.runtime_seed)
                 await llama.start()
             except ModelUnavailable as e:
                 logger.error("{}", e)
                 return 2
             stack.push_async_callback(llama.aclose)
             runtime = llama
+            contexts = llama.capacity
         else:
             rng = random.Random(args.runtime_seed) if args.runtime_seed is not None else None
             runtime = SimulatedRuntime(parse_profile(args.runtime_sim), rng=rng)
@@ -138,6 +146,7 @@ async def _run(args: argparse.Namespace) -> int:
             stack.callback(refresher.cancel)
             trust = permit
         runner, port = await start_miner(keypair, runtime, slots=args.slots, trust=trust, host=args.axon_ip,
+                                         contexts=contexts,
                                          port=args.axon_port, max_body_bytes=args.max_body)
         stack.push_async_callback(runner.cleanup)
         logger.info("miner {} listening on {}:{} ({} slots, runtime {}, trust {})", keypair.ss58_address,

@@ -6,7 +6,10 @@ replay (401) and receiver (403), that the caller is trusted (403: validator-perm
 metagraph, or an allow-list locally), the JSON (400), then claims one of the caller's slots or
 answers 429 at once: a miner that queues would hide its load from the validator's router and get
 its TTFT measured worse. Every caller gets ``slots`` streams of its own (a validator books a 429 that
-leaves its declared slots free as a refusal). Slots are freed on completion, error and client disconnect.
+leaves its declared slots free as a refusal), within ``contexts`` streams in all when the runtime has a
+fixed number (llama.cpp: one context each; ``/health`` says how many): past that a caller gets a 429 at
+once rather than a wait behind another validator's streams. Slots are freed on completion, error and
+client disconnect.
 
 Example::
 
@@ -73,9 +76,15 @@ class MinerServer:
     """The HTTP side of one miner; ``runtime`` does the inference, ``trust`` says who may call."""
 
     def __init__(self, keypair: Any, runtime: Runtime, slots: int, trust: Trust, *,
-                 max_body_bytes: int = DEFAULT_MAX_BODY, nonce_store: bt.http_auth.NonceStore | None = None) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY, nonce_store: bt.http_auth.NonceStore | None = None,
+                 contexts: int | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if contexts is not None and contexts < 1:
+            raise ValueError(f"contexts must be >= 1, got {contexts}")
+        # Streams the runtime can run at once in all, whoever calls (None: as many as the callers' slots add up
+        # to, e.g. vLLM batching). Past it a caller gets a 429 at once, never a wait behind another caller.
+        self.contexts = contexts
         self.hotkey: str = keypair.ss58_address
         self.runtime = runtime
         self.slots = slots
@@ -99,8 +108,8 @@ class MinerServer:
         status). The hotkey is public (it is on chain with the axon); a local subnet registers by it."""
         h = self.runtime.health()
         return web.json_response({"status": "ok" if h.ok else "down", "hotkey": self.hotkey, "slots": self.slots,
-                                  "busy": self.busy, "runtime": self.runtime.name, "runtime_state": h.detail},
-                                 status=200 if h.ok else 503)
+                                  "contexts": self.contexts, "busy": self.busy, "runtime": self.runtime.name,
+                                  "runtime_state": h.detail}, status=200 if h.ok else 503)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
@@ -131,10 +140,12 @@ class MinerServer:
         # counted per caller: a validator pays a 429 it gets while its own streams leave slots free as a
         # refusal, so one validator's traffic must never use up another's.
         who = caller.hotkey_ss58
-        if self._busy_by[who] >= self.slots:
+        if self._busy_by[who] >= self.slots or (self.contexts is not None and self.busy >= self.contexts):
             self.refused_busy += 1
-            return error_response(429, f"all {self.slots} of your slots are busy", type="busy", code="busy",
-                                  headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
+            mine = self._busy_by[who] >= self.slots
+            return error_response(429, f"all {self.slots} of your slots are busy" if mine else
+                                  f"all {self.contexts} contexts are busy (other validators' streams)", type="busy",
+                                  code="busy", headers={"Retry-After": "0", SLOTS_HEADER: str(self.slots)})
         self.busy += 1
         self._busy_by[who] += 1
         slot = _Slot(self, who)
@@ -228,13 +239,14 @@ def _check_payload(payload: Any) -> tuple[str | None, str] | None:
 
 
 async def start_miner(keypair: Any, runtime: Runtime, *, slots: int = 4, trust: Trust, host: str = "127.0.0.1",
-                      port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY) -> tuple[web.AppRunner, int]:
+                      port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY,
+                      contexts: int | None = None) -> tuple[web.AppRunner, int]:
     """Serve a miner on ``host:port`` (port 0 picks a free one); returns the runner and the bound port.
 
     ``handler_cancellation`` makes a client disconnect cancel the handler at once, so a slot is freed
     even while the runtime is still before its first token.
     """
-    server = MinerServer(keypair, runtime, slots, trust, max_body_bytes=max_body_bytes)
+    server = MinerServer(keypair, runtime, slots, trust, max_body_bytes=max_body_bytes, contexts=contexts)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

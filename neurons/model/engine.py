@@ -24,6 +24,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -82,10 +83,17 @@ class LlamaEngine:
 
     # -- generation ------------------------------------------------------------------------------
 
-    def begin(self, prompt_ids: list[int]) -> None:
-        """Start a new sequence: evaluate the prompt (prefill)."""
+    def begin(self, prompt_ids: list[int], cancel: threading.Event | None = None) -> bool:
+        """Start a new sequence: evaluate the prompt (prefill), a batch at a time; False when ``cancel`` was set
+        between batches (a caller that left during a long prefill frees the context within one batch, not at
+        the end of the prompt: issue 24 saw the next request wait 4.79 s behind an abandoned prefill)."""
         self._llm.reset()
-        self._llm.eval(prompt_ids)
+        step = max(1, int(self._llm.n_batch))
+        for i in range(0, len(prompt_ids), step):
+            if cancel is not None and cancel.is_set():
+                return False
+            self._llm.eval(prompt_ids[i:i + step])
+        return True
 
     def next_logits(self) -> npt.NDArray[np.float32]:
         """The logits for the next token (a view into llama.cpp's buffer: use before the next call)."""

@@ -141,10 +141,28 @@ def check_ids(answer: Answer, *, vocab_size: int, piece: Callable[[int], bytes],
     if any(t in stop_ids for t in body):
         return _fail(AuditFailure.TEXT_MISMATCH, "an end-of-turn token inside the answer")
     spelled = b"".join(piece(t) for t in body).decode("utf-8", errors="replace")  # as the miner streamed it
-    if spelled != answer.text:
+    if spelled != answer.text and not _stopped_at_string(answer, spelled, body, piece):
         return _fail(AuditFailure.TEXT_MISMATCH, f"{len(body)} ids spell {len(spelled)} characters, "
                                                  f"the client received {len(answer.text)}")
     return CheckedIds(ids=tuple(body), ended_with_stop=ended)
+
+
+def _stopped_at_string(answer: Answer, spelled: str, body: tuple[int, ...] | list[int],
+                       piece: Callable[[int], bytes]) -> bool:
+    """Whether the ids spell the text, then one of the client's stop strings, completed by the last token.
+
+    A runtime that honours ``stop`` sends the text before the string and names every id it generated, the
+    string's own included (vLLM does; so does the reference miner). Only that exact tail is allowed: the
+    string must finish inside the last token, so no extra tokens can hide behind it.
+    """
+    if answer.finish_reason != "stop" or not answer.stop or not body:
+        return False
+    before_last = len(b"".join(piece(t) for t in body[:-1]).decode("utf-8", errors="replace"))
+    for s in answer.stop:
+        end = len(answer.text) + len(s)
+        if s and spelled.startswith(answer.text + s) and end > before_last:
+            return True
+    return False
 
 
 def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: AuditBands) -> Verdict:

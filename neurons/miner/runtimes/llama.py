@@ -62,6 +62,7 @@ class LlamaRuntime:
         self._workers: list[EngineThread] = []
         self._free: asyncio.Queue[EngineThread] = asyncio.Queue()
         self._cancels: set[threading.Event] = set()  # of the jobs running now, so aclose can stop them
+        self._releasing = 0  # contexts whose stream ended, not yet back in the pool (a left caller's: within a batch)
         self._active = 0
         self._state = "not started"
         self._ready = False
@@ -69,6 +70,25 @@ class LlamaRuntime:
     @property
     def active(self) -> int:
         return self._active
+
+    @property
+    def capacity(self) -> int:
+        """Streams it can run at once, in all: one a context (the miner's ``/health`` says so)."""
+        return self._slots
+
+    async def _context(self) -> EngineThread:
+        """A free context, or a 429 at once: a request never waits behind another caller's work (the validator
+        would book the wait as this miner's TTFT). Only a context being released (its caller left; it stops
+        within one prefill batch or one token) is waited for."""
+        if self._free.empty() and self._releasing == 0:
+            raise RuntimeFailure(f"all {self._slots} contexts are busy", status=429, type="busy", code="busy",
+                                 headers={"Retry-After": "0"})
+        try:
+            async with asyncio.timeout(RELEASE_WAIT_S):
+                return await self._free.get()
+        except TimeoutError:
+            raise RuntimeFailure(f"all {self._slots} contexts are busy", status=429, type="busy", code="busy",
+                                 headers={"Retry-After": "0"}) from None
 
     def health(self) -> RuntimeHealth:
         return RuntimeHealth(ok=self._ready, detail=self._state)
@@ -117,7 +137,8 @@ class LlamaRuntime:
         out = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()),
                           named if isinstance(named, str) else self.model)
 
-        worker = await self._free.get()
+        stops = _stop_strings(payload.get("stop"))
+        worker = await self._context()
         self._active += 1
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
@@ -132,7 +153,7 @@ class LlamaRuntime:
 
         def slot_free(_job: object) -> None:
             with contextlib.suppress(RuntimeError):  # at shutdown the loop may be closed: no pool to return to
-                loop.call_soon_threadsafe(self._free.put_nowait, worker)
+                loop.call_soon_threadsafe(self._return, worker)
 
         job = worker.submit(_run, self._generate, messages, max_tokens, sampling, rng, cancel, put)
         try:
@@ -145,9 +166,14 @@ class LlamaRuntime:
             prompt_tokens = int(first)
             yield frame(out.chunk({"role": "assistant"}, None))
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            text_out = StopMatcher(stops)
             held: list[int] = []
             completion = 0
             finish = "length"
+
+            def chunks(pieces: list[tuple[str, list[int]]]) -> list[bytes]:
+                return [out.tokens(t, ids) if want_ids else out.content(t) for t, ids in pieces if t or ids]
+
             while True:
                 item = await items.get()
                 if item is _END:
@@ -163,14 +189,21 @@ class LlamaRuntime:
                     held.append(token_id)
                     text = decoder.decode(piece)
                     if text:
-                        batch.append(out.tokens(text, held) if want_ids else out.content(text))
+                        batch += chunks(text_out.feed(text, held))
                         held = []
+                        if text_out.stopped:
+                            break
                 if batch:
                     yield b"".join(batch)
-            tail_text = decoder.decode(b"", final=True)
+                if text_out.stopped:  # a stop string: the rest is not generated
+                    cancel.set()
+                    finish = "stop"
+                    break
             tail: list[bytes] = []
-            if tail_text or held:
-                tail.append(out.tokens(tail_text, held) if want_ids else out.content(tail_text))
+            if not text_out.stopped:
+                tail_text = decoder.decode(b"", final=True)
+                tail += chunks(text_out.feed(tail_text, held) if tail_text or held else [])
+                tail += chunks(text_out.flush())
             tail.append(frame(out.chunk({}, finish)))
             if include_usage:
                 tail.append(out.usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -181,8 +214,72 @@ class LlamaRuntime:
             cancel.set()
             self._cancels.discard(cancel)
             self._active -= 1
-            # the slot is free once its thread has left the job (a cancelled job stops at its next token)
+            # the context is free once its thread has left the job (a cancelled job stops at its next token or
+            # prefill batch) and it is back in the pool; until then it is being released, and waited for
+            self._releasing += 1
             job.add_done_callback(slot_free)
+
+    def _return(self, worker: EngineThread) -> None:
+        self._releasing -= 1
+        self._free.put_nowait(worker)
+
+
+RELEASE_WAIT_S = 5.0  # the most a request waits for a context its last caller left (one prefill batch, measured)
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+
+
+def _stop_strings(raw: Any) -> tuple[str, ...]:
+    """The request's ``stop``: a string or a list of up to four; anything else is the client's error (400)."""
+    if raw is None:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(x, str) for x in stops):
+        raise RuntimeFailure(f"stop must be a string or a list of at most {MAX_STOPS} strings", status=400,
+                             type="invalid_request_error", code="invalid_value")
+    return tuple(x for x in stops if x)
+
+
+class StopMatcher:
+    """Streams text with the client's ``stop`` strings honoured, as OpenAI and vLLM do: the answer ends before the
+    first stop string, which is not sent.
+
+    Text that could be the start of a stop string is held back until it is known not to be one, a whole
+    token at a time: every chunk still names exactly the ids that spell it, and a stop string's own tokens
+    (and anything after it within its last token) go with the last chunk's ids, so the audit sees the ids
+    the model produced (:func:`scoring.audit.verdict.check_ids` allows that tail after a stop string).
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.stopped = False
+        self._pending: list[tuple[str, list[int]]] = []  # tokens held back, with their ids
+
+    def feed(self, text: str, ids: list[int]) -> list[tuple[str, list[int]]]:
+        """One decoded token's text and the ids that spell it; returns what may be sent now."""
+        if not self.stops:
+            return [(text, ids)]
+        self._pending.append((text, list(ids)))
+        joined = "".join(t for t, _ in self._pending)
+        hits = [i for i in (joined.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            all_ids = [i for _, tok in self._pending for i in tok]
+            self._pending = []
+            return [(joined[:min(hits)], all_ids)]
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(joined) + 1))
+                    if joined.endswith(s[:k])), default=0)
+        ready: list[tuple[str, list[int]]] = []
+        sent = 0
+        while self._pending and sent + len(self._pending[0][0]) <= len(joined) - keep:
+            token = self._pending.pop(0)
+            sent += len(token[0])
+            ready.append(token)
+        return ready
+
+    def flush(self) -> list[tuple[str, list[int]]]:
+        """The end of the answer: whatever was held back is not a stop string after all."""
+        ready, self._pending = self._pending, []
+        return ready
 
 
 def _failure(e: BaseException) -> RuntimeFailure:
@@ -220,7 +317,8 @@ def decode(engine: LlamaEngine, prompt: list[int], max_tokens: int, sampling: Sa
     Sends the prompt's token count first, then each token as ``[(id, bytes)]``.
     """
     engine.check_fits(len(prompt), max_tokens)
-    engine.begin(prompt)
+    if not engine.begin(prompt, cancel):
+        return None
     put(len(prompt))
     for position in range(max_tokens):
         if cancel.is_set():
