@@ -590,3 +590,10 @@ async def test_a_request_during_the_drain_gets_503_shutting_down(make_miner, mak
         assert m.requests == 1  # the request during the drain never reached a miner
     finally:
         writer.close()
+
+
+async def test_a_valid_request_pipelined_before_bad_http_is_answered_first(gw) -> None:
+    answer = await _exchange(gw.gateway.port, b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\nGARBAGE\x01\r\n\r\n",
+                             done=lambda out: out.count(b"HTTP/1.") >= 2)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+    assert answer.count(b"HTTP/1.") == 2 and b" 400 " in answer.split(b"HTTP/1.")[2][:20]

@@ -130,8 +130,17 @@ class _Connection(web.RequestHandler):
         self.clock = clock
 
     def data_received(self, data: bytes) -> None:
+        """Bytes in; each request head that ends before the read does is parsed on its own first, so a malformed
+        request pipelined behind a valid one cannot take it down with it (aiohttp's parser drops every message
+        of a read that fails to parse: the valid request was never answered)."""
         self.clock.bytes_arrived(self)
-        super().data_received(data)
+        start = 0
+        end = data.find(b"\r\n\r\n")
+        while end != -1 and end + 4 < len(data):
+            super().data_received(data[start:end + 4])
+            start = end + 4
+            end = data.find(b"\r\n\r\n", start)
+        super().data_received(data[start:] if start else data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.clock.closed(self)
