@@ -1,8 +1,9 @@
 """Fault injection at smoke scale (issue 15's proof): hostile miners and hostile clients at once, seeded.
 
-Miners fault before the first byte (500, garbage, hanging) and after it (drops, stalls), next to
-honest ones; clients read normally, walk away mid-stream or before the answer, read slowly, or
-send malformed bodies. Whatever the mix, these hold, and the counts per class are printed (``-s``):
+Miners fault before the first byte (500, garbage, hanging, a 200 whose head the gateway refuses: gzip, not
+an event stream) and after it (drops, stalls), next to honest ones; clients read normally, walk away
+mid-stream or before the answer, read slowly, send malformed bodies (lone surrogates included), stall
+their body, or send an oversized head. Whatever the mix, these hold, and the counts per class are printed (``-s``):
 
 * no slot leaked: the router and every miner end with nothing in flight;
 * no miner booked for a client's or the validator's fault: an honest miner's measurements are all
@@ -48,14 +49,41 @@ BAD_BODIES: list[bytes] = [
     json.dumps({"model": "tensorgate/sim-5090", "messages": "hi"}).encode(), b"\xff\xfe\x00",
     json.dumps({"model": "tensorgate/sim-5090", "messages": [{"role": "user", "content": "x"}],
                 "temperature": "hot"}).encode(),
+    # a lone surrogate: no miner can encode it (issue 24: five such prompts zeroed honest miners)
+    b'{"model": "tensorgate/sim-5090", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+    b'{"model": "tensorgate/sim-5090", "messages": [{"role": "user", "content": "x"}], "stop": ["\\udfff"]}',
 ]
-CLIENTS = ("normal", "normal", "non-stream", "vanish-mid-stream", "vanish-before-answer", "slow-reader", "bad-input")
+CLIENTS = ("normal", "normal", "non-stream", "vanish-mid-stream", "vanish-before-answer", "slow-reader", "bad-input",
+           "stalled-body", "oversized-head")
+
+
+async def _raw(h: Any, data: bytes, within_s: float) -> bytes:
+    """Send raw bytes (what a client library never sends) and read until the gateway closes or ``within_s``."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", h.gateway.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(within_s):
+            return await reader.read()
+    finally:
+        writer.close()
 
 
 async def _client(kind: str, h: Any, rng: random.Random, outcome: Counter[str]) -> None:
     url = h.base_url + "/v1/chat/completions"
     timeout = aiohttp.ClientTimeout(total=20)
     try:
+        if kind == "stalled-body":  # an authenticated head, half a body, then nothing: 408 at the body deadline
+            head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: {h.auth['Authorization']}"
+                    f"\r\nContent-Length: 500\r\n\r\n").encode()
+            answer = await _raw(h, head + b'{"model"', 8.0)
+            outcome[f"{kind}:{answer[9:12].decode() or 'closed'}"] += 1
+            return
+        if kind == "oversized-head":
+            answer = await _raw(h, b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer "
+                                + b"k" * 40_000 + b"\r\n\r\n", 10.0)
+            outcome[f"{kind}:{answer[9:12].decode() or 'closed'}"] += 1
+            return
         if kind == "bad-input":
             async with h.client.post(url, data=rng.choice(BAD_BODIES), timeout=timeout,
                                      headers={**h.auth, "Content-Type": "application/json"}) as r:
@@ -95,7 +123,7 @@ async def test_hostile_miners_and_clients_leak_nothing_and_blame_no_one_wrongly(
     rng = random.Random(15)
     miners = [await make_miner(Script("ok", tokens=8), tag=t) for t in HONEST]
     miners += [await make_miner(script, tag=tag) for tag, script in FAULTY.items()]
-    h = await make_gateway(miners, seed=3)
+    h = await make_gateway(miners, seed=3, body_timeout=1.0)
     outcome: Counter[str] = Counter()
     kinds = [rng.choice(CLIENTS) for _ in range(140)]
     for i in range(0, len(kinds), 14):  # 14 at once: faults overlap with each other and with honest traffic
@@ -112,6 +140,8 @@ async def test_hostile_miners_and_clients_leak_nothing_and_blame_no_one_wrongly(
     assert "500" not in statuses, outcome
     bad = {k: v for k, v in outcome.items() if k.startswith("bad-input:")}
     assert bad and all(k.split(":")[1] in ("400", "404", "413", "422") for k in bad), bad
+    assert all(k == "stalled-body:408" for k in outcome if k.startswith("stalled-body")), outcome
+    assert all(k == "oversized-head:431" for k in outcome if k.startswith("oversized-head")), outcome
     # no honest miner booked for a client's or the validator's fault
     honest = {h.uids[t] for t in HONEST}
     wrong = [(m.uid, m.failure) for m in h.measurements()

@@ -99,6 +99,12 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+# After refusing a request whose body it did not read (401, 408, 413), the server reads and drops what is still
+# coming for this long before it closes, so the client is not reset before it reads the refusal; aiohttp's own
+# default is 10 s, which a client that sends nothing turned into 10 s of holding the connection.
+LINGER_S = 2.0
+
+
 def raw_error(status: int, reason: str, message: str, code: str, *, headers: bytes = b"") -> bytes:
     """A whole ``HTTP/1.1`` JSON error answer that closes the connection, for refusals made below the app."""
     body = json.dumps(error_body(message, code=code, type="server_error" if status >= 500 else
@@ -243,7 +249,8 @@ class HttpServer:
         # aiohttp's own keep-alive timer stays as a backstop, a little later than ours
         self._server = _Server(self._handle, self._clock, access_log=None,
                                keepalive_timeout=self.keepalive_timeout + 1.0, max_line_size=self.max_head_bytes,
-                               max_field_size=self.max_head_bytes, max_headers=self.max_headers)
+                               max_field_size=self.max_head_bytes, max_headers=self.max_headers,
+                               lingering_time=LINGER_S)
         try:
             self._listener = await loop.create_server(self._protocol, sock=sock)
         except BaseException:
