@@ -121,7 +121,7 @@ async def test_health_and_signed_stream(session: aiohttp.ClientSession, make_ref
     m = await make_ref_miner(slots=3)
     async with session.get(m.url + "/health") as r:
         assert r.status == 200
-        assert await r.json() == {"status": "ok", "hotkey": MINER.ss58_address, "slots": 3, "busy": 0,
+        assert await r.json() == {"status": "ok", "hotkey": MINER.ss58_address, "slots": 3, "contexts": None, "busy": 0,
                                   "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090"}
     raw = payload(max_tokens=12)
     async with session.post(m.url + CHAT_PATH, data=raw, headers=Signer().headers(raw)) as resp:
@@ -601,8 +601,8 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
 
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
             health = json.loads(r.read())
-        assert health == {"status": "ok", "hotkey": dev_keypair("Bob").ss58_address, "slots": 2, "busy": 0,
-                          "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090"}
+        assert health == {"status": "ok", "hotkey": dev_keypair("Bob").ss58_address, "slots": 2, "contexts": None,
+                          "busy": 0, "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090"}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
