@@ -408,6 +408,21 @@ async def test_a_body_that_never_comes_gets_408_at_the_body_deadline(make_miner,
     assert m.requests == 0 and h.router.total_in_flight() == 0  # no miner asked
 
 
+async def _kept_alive(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has made one request and been answered: idle, kept alive."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(r.readuntil(b"ok"), 5)
+    return r, w
+
+
+async def _closed_after(r: asyncio.StreamReader, at_least_s: float) -> None:
+    """The server closes the connection, after at least ``at_least_s`` (and within a few seconds)."""
+    t0 = time.monotonic()
+    assert await asyncio.wait_for(r.read(), 5) == b""
+    assert at_least_s - 0.05 < time.monotonic() - t0 < at_least_s + 3.0
+
+
 async def test_idle_kept_alive_connections_make_room_at_the_cap() -> None:
     """40 sockets that each made one GET /health held a cap of 40 for the 75 s keep-alive (issue 24 item 3)."""
     from gateway.http.server import HttpServer
@@ -417,15 +432,9 @@ async def test_idle_kept_alive_connections_make_room_at_the_cap() -> None:
     idle = []
     try:
         for _ in range(3):
-            r, w = await asyncio.open_connection("127.0.0.1", server.port)
-            w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            await asyncio.wait_for(r.readuntil(b"ok"), 5)
-            idle.append((r, w))
+            idle.append(await _kept_alive(server.port))
         for _ in range(2):  # each new client is served, closing the longest-idle one
-            r, w = await asyncio.open_connection("127.0.0.1", server.port)
-            w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert (await asyncio.wait_for(r.readuntil(b"\r\n"), 5)).startswith(b"HTTP/1.1 200")
-            idle.append((r, w))
+            idle.append(await _kept_alive(server.port))
         assert server.evicted_connections == 2 and server.refused_connections == 0
         assert await asyncio.wait_for(idle[0][0].read(), 5) == b""  # the oldest idle ones were closed
         assert await asyncio.wait_for(idle[1][0].read(), 5) == b""
@@ -435,42 +444,22 @@ async def test_idle_kept_alive_connections_make_room_at_the_cap() -> None:
         await server.stop()
 
 
-async def test_a_head_trickled_on_a_kept_alive_connection_gets_the_head_deadline() -> None:
-    """The second head on a connection has the header timeout too, not the whole keep-alive time."""
+@pytest.mark.parametrize("trickle", [True, False], ids=["head-trickled-after-a-request", "idle"])
+async def test_a_kept_alive_connection_holds_a_deadline_between_requests(trickle: bool) -> None:
+    """The second head on a connection has the header timeout too, not the whole keep-alive time; an idle
+    connection is closed at the keep-alive timeout."""
     from gateway.http.server import HttpServer
 
-    server = HttpServer(_ok_app, port=0, header_timeout=0.3, keepalive_timeout=30.0)
+    head_s, idle_s = (0.3, 30.0) if trickle else (5.0, 0.3)
+    server = HttpServer(_ok_app, port=0, header_timeout=head_s, keepalive_timeout=idle_s)
     await server.start()
     try:
-        r, w = await asyncio.open_connection("127.0.0.1", server.port)
-        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await asyncio.wait_for(r.readuntil(b"ok"), 5)
-        await asyncio.sleep(0.5)  # idle past the header timeout: still open
-        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # ... a head that never ends
-        t0 = time.monotonic()
-        assert await asyncio.wait_for(r.read(), 5) == b""
-        assert 0.25 < time.monotonic() - t0 < 3.0 and server.expired_connections == 1
-        w.close()
-        r, w = await asyncio.open_connection("127.0.0.1", server.port)  # an idle one is closed at keep-alive
-        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await asyncio.wait_for(r.readuntil(b"ok"), 5)
-        w.close()
-    finally:
-        await server.stop()
-
-
-async def test_an_idle_connection_is_closed_at_the_keepalive_timeout() -> None:
-    from gateway.http.server import HttpServer
-
-    server = HttpServer(_ok_app, port=0, header_timeout=5.0, keepalive_timeout=0.3)
-    await server.start()
-    try:
-        r, w = await asyncio.open_connection("127.0.0.1", server.port)
-        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await asyncio.wait_for(r.readuntil(b"ok"), 5)
-        t0 = time.monotonic()
-        assert await asyncio.wait_for(r.read(), 5) == b""
-        assert 0.25 < time.monotonic() - t0 < 3.0 and server.expired_connections == 1
+        r, w = await _kept_alive(server.port)
+        if trickle:
+            await asyncio.sleep(0.5)  # idle past the header timeout: still open
+            w.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # ... a head that never ends
+        await _closed_after(r, head_s if trickle else idle_s)
+        assert server.expired_connections == 1
         w.close()
     finally:
         await server.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,14 +111,21 @@ def test_usage_is_kept_per_day_and_restored() -> None:
     assert isinstance(refused, Refusal) and refused.limit == "tokens per day"
 
 
-async def test_gateway_answers_429_rate_limit_exceeded_and_shows_the_callers_usage(make_miner, make_gateway,
-                                                                                    tmp_path: Path) -> None:
-    from tests.fakes import Script, body, error_of
+async def _gateway_with_key(make_miner: Any, make_gateway: Any, tmp_path: Path, key_line: str) -> tuple[Any, Any]:
+    """One honest miner behind a gateway whose keys file holds ``key_line``."""
+    from tests.fakes import Script
 
     keys = tmp_path / "keys"
-    keys.write_text("sk-capped name=capped rpm=2 tpm=100000\n")
+    keys.write_text(key_line + "\n")
     m = await make_miner(Script("ok", tokens=4))
-    h = await make_gateway([m], keys_file=str(keys))
+    return m, await make_gateway([m], keys_file=str(keys))
+
+
+async def test_gateway_answers_429_rate_limit_exceeded_and_shows_the_callers_usage(make_miner, make_gateway,
+                                                                                    tmp_path: Path) -> None:
+    from tests.fakes import body, error_of
+
+    m, h = await _gateway_with_key(make_miner, make_gateway, tmp_path, "sk-capped name=capped rpm=2 tpm=100000")
     capped = {"Authorization": "Bearer sk-capped"}
     for _ in range(2):
         async with h.chat(body(max_tokens=4), headers=capped) as r:
@@ -184,12 +192,9 @@ def test_a_key_without_a_daily_limit_writes_no_claims() -> None:
 
 async def test_the_gateway_writes_a_keys_claim_before_the_miner_is_asked(make_miner, make_gateway,
                                                                          tmp_path: Path) -> None:
-    from tests.fakes import Script, body
+    from tests.fakes import body
 
-    keys = tmp_path / "keys"
-    keys.write_text("sk-daily name=daily tpd=100000\n")
-    m = await make_miner(Script("ok", tokens=4))
-    h = await make_gateway([m], keys_file=str(keys))
+    m, h = await _gateway_with_key(make_miner, make_gateway, tmp_path, "sk-daily name=daily tpd=100000")
     seen: list[tuple[tuple[str, str, int, int], int]] = []
 
     async def save(row: tuple[str, str, int, int]) -> None:
