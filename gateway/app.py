@@ -321,6 +321,8 @@ class Gateway:
         except (ValueError, RecursionError):
             raise invalid_json() from None
         req = parse_chat_request(body, self.limits)
+        if self.stopping:  # the body came in after the stop began
+            raise shutting_down()
         prompt_tokens = await self._prompt_tokens(policy, req)
         ticket = self.quota.admit(policy, prompt_tokens + req.max_tokens, time.time())
         if isinstance(ticket, Refusal):

@@ -149,6 +149,8 @@ class Relay:
                     failures.append(e)
                     continue
                 self._live.add(stream)
+                if self.stopping:  # its head came after the cut: it ends the same way
+                    stream.close(FailureReason.SHUTDOWN)
                 async with stream:
                     try:
                         if req.stream:
