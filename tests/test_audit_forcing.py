@@ -189,3 +189,40 @@ def test_seeded_stop_gap_says_whether_the_end_of_turn_won() -> None:
     assert force(rows, ids, sampling, stop_ids=(0,)).stop_gap == 0.0
     rows[3, 0] = -20.0  # now it loses by far: a stop here was not the sampler's
     assert force(rows, ids, sampling, stop_ids=(0,)).stop_gap > 5.0
+
+
+def _spec_token(logits: np.ndarray, sampling: SamplingParams, position: int) -> int:
+    """The sampler as the spec states it: every token of the vocabulary hashed (no pruning)."""
+    from gateway.protocol.sampling import asked_logprobs, gumbel
+
+    row = np.asarray(logits, dtype=np.float64)
+    assert sampling.seed is not None
+    score = row / sampling.temperature + gumbel(sampling.seed, position, row.shape[0])
+    if sampling.top_p < 1.0:
+        score[~np.isfinite(asked_logprobs(row, sampling.temperature, sampling.top_p)[0])] = -np.inf
+    return int(np.argmax(score))
+
+
+def test_the_pruned_sampler_picks_the_specs_token_every_time() -> None:
+    """Only tokens within GUMBEL_MAX of the best known score are hashed; the token is the spec's, bit for bit."""
+    from gateway.protocol.sampling import GUMBEL_MAX, best_seeded_score, gumbel
+
+    assert 35.0 < GUMBEL_MAX < 37.0
+    rng = np.random.default_rng(7)
+    checked = 0
+    for trial in range(300):
+        vocab = int(rng.integers(2, 5000))
+        spread = float(rng.choice([0.1, 3.0, 15.0, 60.0]))  # flat rows to rows a few tokens dominate
+        logits = rng.normal(0.0, spread, vocab)
+        if trial % 7 == 0:
+            logits[: vocab // 2] = logits[0]  # ties: the lowest id must win, as a full argmax has it
+        seed = int(rng.integers(0, 2**62))
+        sampling = SamplingParams(float(rng.choice([0.3, 0.7, 1.0, 1.5])), float(rng.choice([1.0, 0.9, 0.5])),
+                                  seed=seed)
+        position = int(rng.integers(0, 4000))
+        assert seeded_token(logits, sampling, position) == _spec_token(logits, sampling, position), trial
+        scaled = np.asarray(logits / sampling.temperature, dtype=np.float64)
+        full = float((scaled + gumbel(seed, position, vocab)).max())
+        assert best_seeded_score(scaled, seed, position) == full
+        checked += 1
+    assert checked == 300

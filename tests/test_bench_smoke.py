@@ -103,3 +103,11 @@ def test_probe_detector_smoke_measures_both_generators() -> None:
     assert flagged["on"] <= 60.0  # replays: most probes are users' own requests
     assert float(on[8].rstrip("%")) <= 5.0  # at no more than 5 % of organic requests flagged
     assert re.search(r"^PASS  8 miners, replays on", out, re.M)
+
+
+def test_sampler_smoke_compares_before_and_shipped_and_finds_no_token_differs() -> None:
+    out = run_script("bench_sampler.py", "--smoke")
+    rows = table_rows(out, "sampler")
+    assert [r[0] for r in rows] == ["before", "shipped"]
+    assert all(int(r[1]) == 120 and float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+    assert "tokens that differ between the two samplers: 0 of 120" in out  # the exit status says so too

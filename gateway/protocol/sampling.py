@@ -17,6 +17,8 @@ is exactly a draw from the asked distribution (the Gumbel-max trick), so clients
 asked for; for a given seed it is one token, so an audit checks a sampled answer position by
 position like a greedy one, with the same near-tie slack. The hash is splitmix64 on unsigned
 64-bit integers, which any runtime (a vLLM logits processor, a CUDA kernel) computes bit for bit.
+A finite variate is at most :data:`GUMBEL_MAX` (36.0), so a token whose scaled logit sits further than that under
+the best score known cannot win and is never hashed: the same token, for a fraction of the work.
 
 Example::
 
@@ -88,28 +90,95 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _mix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """:func:`mix64` element-wise on uint64 arrays (numpy wraps as C does)."""
-    x = x + np.uint64(_GOLDEN)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    out: npt.NDArray[np.uint64] = x ^ (x >> np.uint64(31))
-    return out
-
-
 def gumbel(seed: int, position: int, vocab: int) -> FloatArray:
     """The Gumbel variates of one position: ``-log(-log(u))``, ``u`` hashed from (seed, position, token id).
 
     With ``h = mix64((mix64(seed ^ mix64(position)) + id * golden) mod 2**64)``,
-    ``u = ((h >> 11) + 0.5) / 2**53``: 53 random bits, never 0 or 1. The spec a miner's runtime
+    ``u = ((h >> 11) + 0.5) / 2**53``: 53 random bits, never 0 (and 1, an infinite variate, only for the top value
+    of ``h >> 11``, where float rounding lands; once in ``2**53``). The spec a miner's runtime
     implements, bit for bit (``tests/test_audit_forcing.py`` spells one variate out).
     """
+    return gumbel_at(seed, position, np.arange(vocab, dtype=np.uint64))
+
+
+def gumbel_at(seed: int, position: int, ids: npt.NDArray[Any]) -> FloatArray:
+    """:func:`gumbel`'s variates for the token ``ids`` only (the same numbers, bit for bit).
+
+    Every step in place, on two buffers: over the 262k vocabulary that is 2.6x faster than the same
+    arithmetic written as expressions (1.2 ms against 3.2 ms a row on this CPU), which allocate a new
+    array for each of its ~18 steps.
+    """
     base = np.uint64(mix64(seed ^ mix64(position)))
+    x = ids.astype(np.uint64)  # a copy: the caller's ids are left alone
+    t = np.empty_like(x)
     with np.errstate(over="ignore"):
-        h = _mix64(base + np.arange(vocab, dtype=np.uint64) * np.uint64(_GOLDEN))
-    u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
-    out: FloatArray = -np.log(-np.log(u))
-    return out
+        x *= np.uint64(_GOLDEN)
+        x += base
+        x += np.uint64(_GOLDEN)  # from here, mix64 in place
+        np.right_shift(x, np.uint64(30), out=t)
+        x ^= t
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        np.right_shift(x, np.uint64(27), out=t)
+        x ^= t
+        x *= np.uint64(0x94D049BB133111EB)
+        np.right_shift(x, np.uint64(31), out=t)
+        x ^= t
+        x >>= np.uint64(11)
+    u: FloatArray = x.astype(np.float64)
+    u += 0.5
+    u *= 1.0 / (1 << 53)
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    np.log(u, out=u)
+    np.negative(u, out=u)
+    return u
+
+
+def _largest_finite_variate() -> float:
+    """The largest finite variate :func:`gumbel` gives: ``h >> 11`` one below its top value (at the top value
+    ``+ 0.5`` rounds up to ``2**53`` and ``u`` is 1: an infinite variate, for one token in ``2**53``)."""
+    top = np.array([(1 << 53) - 2], dtype=np.uint64)
+    u = (top.astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+    return float(-np.log(-np.log(u))[0])
+
+
+# No token whose scaled logit is more than this below some token's score can win, so only the tokens within it of
+# the best known score need hashing. Exact but for the one-in-2**53 infinite variate, where a pruned and a full
+# argmax could differ (about once in 3e10 tokens on a 262k vocabulary). A hair of slack covers rounding.
+GUMBEL_MAX = _largest_finite_variate()
+_PRUNE_SLACK = 1e-9
+
+
+def contenders(scaled: FloatArray, seed: int, position: int, allowed: npt.NDArray[np.bool_] | None = None
+                ) -> tuple[npt.NDArray[np.intp], FloatArray]:
+    """The tokens that can still hold the best score (ascending ids, as a full argmax would see them) and their
+    scores. The best scaled logit's own score bounds the winner's from below, so a token whose scaled logit is
+    more than :data:`GUMBEL_MAX` under it cannot win and is not hashed. How much that saves depends on the
+    temperature: on Gemma 3 270M it left 0.1 % of the 262k vocabulary at 0.3 and 86-100 % at 0.7-1.0
+    (``scripts/bench_sampler.py``). When most of the vocabulary stays, all of it is hashed (gathering a subset
+    would cost more than it saves), and the tokens below the bound keep their true scores, which cannot win.
+    """
+    masked = scaled if allowed is None else np.where(allowed, scaled, -np.inf)
+    top = int(np.argmax(masked))
+    first = float(masked[top]) + float(gumbel_at(seed, position, np.array([top]))[0])
+    keep = masked >= first - GUMBEL_MAX - _PRUNE_SLACK
+    if 4 * int(np.count_nonzero(keep)) > keep.shape[0]:
+        every = _every_id(keep.shape[0])
+        score = gumbel_at(seed, position, every)
+        score += masked
+        return every, score
+    ids = np.flatnonzero(keep)
+    return ids, masked[ids] + gumbel_at(seed, position, ids)
+
+
+_EVERY: dict[int, npt.NDArray[np.intp]] = {}
+
+
+def _every_id(vocab: int) -> npt.NDArray[np.intp]:
+    ids = _EVERY.get(vocab)
+    if ids is None:
+        ids = _EVERY[vocab] = np.arange(vocab, dtype=np.intp)
+    return ids
 
 
 def wire_seed(client_seed: object, key: int, fresh: int) -> int:
@@ -134,13 +203,23 @@ def seeded_token(logits: npt.ArrayLike, sampling: SamplingParams, position: int)
     """
     if sampling.seed is None:
         raise ValueError("the subnet's sampler needs a seed")
-    row = np.asarray(logits, dtype=np.float64).reshape(-1)
+    row = np.asarray(logits).reshape(-1)
     if sampling.greedy:
         return int(np.argmax(row))
-    score = row / sampling.temperature + gumbel(sampling.seed, position, row.shape[0])
+    allowed = None
     if sampling.top_p < 1.0:
-        score[~np.isfinite(asked_logprobs(row, sampling.temperature, sampling.top_p)[0])] = -np.inf
-    return int(np.argmax(score))
+        allowed = np.isfinite(asked_logprobs(row, sampling.temperature, sampling.top_p)[0])
+    scaled: FloatArray = row.astype(np.float64)  # a copy, scaled in place: the same numbers as row / temperature
+    scaled /= sampling.temperature
+    ids, score = contenders(scaled, sampling.seed, position, allowed)
+    return int(ids[int(np.argmax(score))])
+
+
+def best_seeded_score(scaled: FloatArray, seed: int, position: int,
+                      allowed: npt.NDArray[np.bool_] | None = None) -> float:
+    """The best ``scaled + gumbel`` over the vocabulary (or the ``allowed`` tokens): what the audit measures a
+    token's gap from, hashing only the tokens that can hold it."""
+    return float(contenders(scaled, seed, position, allowed)[1].max())
 
 
 def log_softmax(rows: FloatArray) -> FloatArray:

@@ -37,7 +37,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from gateway.protocol.sampling import FloatArray, SamplingParams, asked_logprobs, gumbel, log_softmax, nucleus_edges
+from gateway.protocol.sampling import (
+    FloatArray,
+    SamplingParams,
+    asked_logprobs,
+    best_seeded_score,
+    gumbel_at,
+    log_softmax,
+    nucleus_edges,
+)
 
 _BLOCK = 16  # rows per numpy pass: 16 x 262k float32 = 17 MB of temporaries at most
 _NUCLEUS_SLACK = 0.02  # the nucleus is taken a little wider than asked: the reference's numerics differ
@@ -121,7 +129,7 @@ def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling:
     the miner's edges may differ by a token or two (numerics), so the chosen token must lie in a
     nucleus a little *wider* than asked, and is compared with the best of one a little *narrower*.
     """
-    n, vocab = int(ids.shape[0]), rows.shape[1]
+    n = int(ids.shape[0])
     temp, seed = sampling.temperature, sampling.seed
     assert seed is not None
     narrow = max(1e-6, sampling.top_p - _NUCLEUS_SLACK) if sampling.top_p < 1.0 else 1.0
@@ -131,7 +139,7 @@ def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling:
     for j in range(n + 1):
         candidates = [int(ids[j])] if j < n else stops
         if candidates:
-            below = _below_best(rows[j].astype(np.float64), candidates, temp, gumbel(seed, j, vocab), narrow, wide)
+            below = _below_best(rows[j].astype(np.float64), candidates, temp, seed, j, narrow, wide)
             if j < n:
                 gap[j] = below
             else:
@@ -140,20 +148,27 @@ def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling:
                         stop_logp=_stop_logp(rows[n].astype(np.float64), stops, temp))
 
 
-def _below_best(row: FloatArray, tokens: list[int], temp: float, noise: FloatArray, narrow: float,
+def _below_best(row: FloatArray, tokens: list[int], temp: float, seed: int, position: int, narrow: float,
                 wide: float) -> float:
-    """Nats (temperature 1) the best of ``tokens`` scores below the narrow nucleus's best; inf: outside the wide one."""
+    """Nats (temperature 1) the best of ``tokens`` scores below the narrow nucleus's best; inf: outside the wide one.
+
+    Only the tokens that can hold the best score are hashed (:func:`~gateway.protocol.sampling.best_seeded_score`).
+    """
     scaled = row / temp
-    score = scaled + noise
+
+    def score_of(ts: list[int]) -> float:
+        ids = np.array(ts, dtype=np.int64)
+        return float((scaled[ids] + gumbel_at(seed, position, ids)).max())
+
     if narrow >= 1.0:
-        return max(0.0, temp * (float(score.max()) - float(score[tokens].max())))
+        return max(0.0, temp * (best_seeded_score(scaled, seed, position) - score_of(tokens)))
     lsm = log_softmax(scaled[None, :])[0]
     narrow_edge, wide_edge = nucleus_edges(lsm, (narrow, wide))
     allowed = [t for t in tokens if lsm[t] >= wide_edge]
     if not allowed:
         return float("inf")  # outside even the widened nucleus
-    best = float(score[lsm >= narrow_edge].max())
-    return max(0.0, temp * (best - float(score[allowed].max())))
+    best = best_seeded_score(scaled, seed, position, lsm >= narrow_edge)
+    return max(0.0, temp * (best - score_of(allowed)))
 
 
 def _moments(z: npt.NDArray[np.float32], ids: npt.NDArray[np.int64]) -> tuple[FloatArray, FloatArray, FloatArray]:
