@@ -3,7 +3,7 @@
 
 Measured side by side in one run, on this machine, with Gemma 3 270M (the packaged model) on
 llama.cpp: a miner's engine generates answers on one thread while the validator's reference audits
-them on another (the exact ``neurons.validator.reference`` code path, minus HTTP), so each side has
+them on another (the exact ``neurons.reference.llama`` code path, minus HTTP), so each side has
 a core, as on a 2-core box running both.
 
 Printed:
@@ -61,8 +61,8 @@ from neurons.miner.runtimes.cheats import CHEATS  # noqa: E402
 from neurons.miner.runtimes.llama import Generate, answer_once  # noqa: E402
 from neurons.model.engine import EngineThread, LlamaEngine  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
+from neurons.reference.llama import LlamaReference  # noqa: E402
 from neurons.validator.prompts import MIXES, PromptGenerator  # noqa: E402
-from neurons.validator.reference import LlamaReference  # noqa: E402
 from scoring.audit import AuditBands, StrikePolicy, Verdict  # noqa: E402
 from scoring.measurement import Answer  # noqa: E402
 

@@ -155,8 +155,8 @@ async def test_reference_service_round_trip_key_and_bad_requests() -> None:
 
     from neurons.model.packaged import ModelUnavailable
     from neurons.reference.protocol import AUDIT_PATH, BadAuditRequest, decode_request, encode_request
+    from neurons.reference.remote import RemoteReference
     from neurons.reference.server import start_reference_service
-    from neurons.validator.reference import RemoteReference
 
     runner, port = await start_reference_service(ScriptedReference(), key="k1")
     url = f"http://127.0.0.1:{port}"

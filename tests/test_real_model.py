@@ -41,8 +41,8 @@ from neurons.miner.runtimes.cheats import CHEATS  # noqa: E402
 from neurons.miner.runtimes.llama import LlamaRuntime, answer_once  # noqa: E402
 from neurons.model.engine import LlamaEngine  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
+from neurons.reference.llama import replay as _audit  # noqa: E402
 from neurons.validator.prompts import MIXES, PromptGenerator  # noqa: E402
-from neurons.validator.reference import _audit  # noqa: E402
 
 PROMPTS = [
     [{"role": "user", "content": "Write a haiku about the sea."}],

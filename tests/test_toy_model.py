@@ -11,7 +11,7 @@ import pytest
 
 from gateway.protocol.sampling import SamplingParams, asked_logprobs
 from neurons.model.toy import ToyModel
-from neurons.validator.reference import ToyReference
+from neurons.reference.toy import ToyReference
 from scoring.audit import AuditBands, AuditFailure, Verdict
 from scoring.measurement import Answer
 

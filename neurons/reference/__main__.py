@@ -16,7 +16,7 @@ from loguru import logger
 
 from ..model.packaged import ModelUnavailable
 from ..supervise import until_stop_signal
-from ..validator.reference import LlamaReference
+from .llama import LlamaReference
 from .server import OpenReferenceRefused, start_reference_service
 
 

@@ -1,6 +1,6 @@
 """The reference service: ``POST /v1/audit`` replays one answer on the model, ``GET /health`` says if it can.
 
-One model context, one audit at a time (the :class:`~neurons.validator.reference.LlamaReference`
+One model context, one audit at a time (the :class:`~neurons.reference.llama.LlamaReference`
 thread); a validator's auditor sends one request at a time anyway. With ``TENSORGATE_AUDIT_KEY`` set,
 requests must carry it as a bearer key (the scheme in any case, as HTTP says; a header that is not UTF-8
 is a wrong key, never a 500). Without a key it serves loopback only: one audit of a 3,000-token answer
@@ -24,7 +24,7 @@ from loguru import logger
 
 from gateway.auth import bearer_token
 
-from ..validator.reference import Reference
+from .base import Reference
 from .protocol import AUDIT_PATH, KEY_ENV, BadAuditRequest, decode_request, verdict_to_json
 
 MAX_BODY = 8 * 1024 * 1024  # a long prompt and answer, as JSON

@@ -41,7 +41,7 @@ from scoring.audit import AuditBands, StrikeBook, Verdict, apply_verdict, should
 from scoring.measurement import Measurement
 from scoring.store import StoredAudit
 
-from .reference import Reference
+from ..reference.base import Reference
 
 EAGER_RATE = 0.5  # organic answers of a hotkey not yet confirmed this round: audited at this rate
 

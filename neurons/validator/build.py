@@ -41,12 +41,15 @@ from scoring.scorer import Scorer
 
 from ..chain.base import Chain
 from ..model.tokenizer import GgufTokenCounter
+from ..reference.base import Reference
+from ..reference.llama import LlamaReference
+from ..reference.remote import RemoteReference
+from ..reference.toy import ToyReference
 from .auditor import Auditor
 from .config import ValidatorConfig
 from .neuron import Validator
 from .probes import ProbeRunner
 from .prompts import MIXES, PromptGenerator
-from .reference import LlamaReference, Reference, RemoteReference, ToyReference
 from .replays import ReplaySample
 from .shapes import ShapeSample
 

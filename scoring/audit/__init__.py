@@ -1,7 +1,7 @@
 """Verified inference: teacher-forcing arithmetic, verdicts, sampling policy and strikes (all pure).
 
 The reference runtime that produces the logits, and the queue that runs audits off the hot path,
-live with the validator process (:mod:`neurons.validator.reference`, :mod:`neurons.validator.auditor`).
+live with the validator process (:mod:`neurons.reference`, :mod:`neurons.validator.auditor`).
 """
 
 from scoring.audit.forcing import ForcedScores, force

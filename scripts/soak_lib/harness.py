@@ -32,11 +32,11 @@ from gateway.router import Candidate, Router
 from gateway.upstream import UpstreamTimeouts
 from neurons.miner.server import start_miner
 from neurons.miner.trust import AllowList
+from neurons.reference.toy import ToyReference
 from neurons.validator.build import build_parts
 from neurons.validator.config import ValidatorConfig
 from neurons.validator.probes import ProbeRunner
 from neurons.validator.prompts import PromptGenerator
-from neurons.validator.reference import ToyReference
 from scoring.measurement import Measurement
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
