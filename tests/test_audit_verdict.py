@@ -82,6 +82,9 @@ def test_greedy_bands() -> None:
     off.gap[2] = 1.5  # 15 %
     v = judge(a20, checked(a20), off, b)
     assert not v.passed and v.failure == AuditFailure.WRONG_TOKENS
+    assert (v.positions, v.misses) == (20, 3)  # the sequential test's evidence, failed or passed
+    off.gap[1] = off.gap[2] = 0.0
+    assert (judge(a20, checked(a20), off, b).positions, judge(a20, checked(a20), off, b).misses) == (20, 1)
     hard = scores(20)
     hard.gap[5] = 4.5  # one token far below the reference's choice
     assert judge(a20, checked(a20), hard, b).failure == AuditFailure.WRONG_TOKENS

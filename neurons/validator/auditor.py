@@ -137,11 +137,15 @@ class Auditor:
             self._confirmed.add(m.hotkey)
         if not verdict.passed:
             logger.info("audit failed: uid {} {} ({}): {}", m.uid, m.hotkey[:10], verdict.failure, verdict.detail)
-        if self.book.record(m.hotkey, passed=verdict.passed, at=now):
+        alarms = self.book.records[m.hotkey].alarms if m.hotkey in self.book.records else 0
+        if self.book.record(m.hotkey, passed=verdict.passed, at=now, positions=verdict.positions,
+                            misses=verdict.misses):
             self.quarantine_changed = True
-            state = "quarantined" if self.book.is_quarantined(m.hotkey) else "released from quarantine"
-            logger.warning("uid {} {} {} ({} strikes in its last {} audits)", m.uid, m.hotkey[:10], state,
-                           self.book.records[m.hotkey].strikes, self.book.policy.window)
+            r = self.book.records[m.hotkey]
+            state = "quarantined" if r.quarantined_at is not None else "released from quarantine"
+            why = "the sequential test over its audited tokens alarmed" if r.alarms > alarms else \
+                f"{r.strikes} strikes in its last {self.book.policy.window} audits"
+            logger.warning("uid {} {} {} ({}; {} positions audited)", m.uid, m.hotkey[:10], state, why, r.positions)
         self.outcomes.append(StoredAudit(now, m.hotkey, m.uid, m.probe, verdict.passed,
                                          None if verdict.failure is None else str(verdict.failure),
                                          verdict.detail, verdict.tokens))

@@ -112,6 +112,10 @@ class Verdict:
     stop_logp: float | None = None  # log-probability of the end-of-turn where the answer stopped
     prompt_tokens: int | None = None  # the prompt as the reference's tokenizer counts it
     worst_gap: float | None = None  # greedy or seeded answers: the farthest token from the reference's choice, nats
+    # Greedy or seeded answers: positions judged and those off the reference's choice by more than the near-tie
+    # band. The evidence the per-miner sequential test (:mod:`scoring.audit.sequential`) sums over audits.
+    positions: int = 0
+    misses: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +127,9 @@ class CheckedIds:
 
 
 def _fail(failure: AuditFailure, detail: str, *, z: float | None = None, miss_share: float = 0.0,
-          worst_gap: float | None = None) -> Verdict:
-    return Verdict(False, failure, detail, z=z, miss_share=miss_share, worst_gap=worst_gap)
+          worst_gap: float | None = None, positions: int = 0, misses: int = 0) -> Verdict:
+    return Verdict(False, failure, detail, z=z, miss_share=miss_share, worst_gap=worst_gap, positions=positions,
+                   misses=misses)
 
 
 def check_ids(answer: Answer, *, vocab_size: int, piece: Callable[[int], bytes],
@@ -177,15 +182,17 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
     z_head: float | None = None
     worst_gap: float | None = None
     miss_share = 0.0
+    positions = misses = 0
     if n and not answer.penalised:
         if determined:
+            positions = n
             misses = int((scores.gap > bands.greedy_gap).sum())
             miss_share = misses / n
             worst_gap = float(scores.gap.max())
             if worst_gap > bands.greedy_hard_gap or misses > max(bands.min_misses, bands.greedy_miss_share * n):
                 return _fail(AuditFailure.WRONG_TOKENS, f"{misses}/{n} tokens off the reference's choice, "
                                                         f"worst by {worst_gap:.2f} nats", miss_share=miss_share,
-                             worst_gap=worst_gap)
+                             worst_gap=worst_gap, positions=positions, misses=misses)
         else:
             outside = ~(scores.logp > -math.inf)
             miss_share = float(outside.sum()) / n
@@ -209,9 +216,9 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
         if early:
             return _fail(AuditFailure.EARLY_STOP, f"stopped after {n} tokens where the model goes on "
                                                   f"(end-of-turn p={math.exp(scores.stop_logp):.2g})",
-                         z=z, miss_share=miss_share, worst_gap=worst_gap)
+                         z=z, miss_share=miss_share, worst_gap=worst_gap, positions=positions, misses=misses)
     return Verdict(True, tokens=n, z=z, miss_share=miss_share, z_head=z_head, stop_logp=scores.stop_logp,
-                   worst_gap=worst_gap)
+                   worst_gap=worst_gap, positions=positions, misses=misses)
 
 
 def _z(scores: ForcedScores, mask: npt.NDArray[np.bool_], noise: float) -> float:
