@@ -22,6 +22,13 @@ Printed:
   the reference's choice than the honest answers' own worst is a "near twin": failing it would fail
   honest answers too. The gate is 100 % over the rest ("detected beyond").
 
+* the per-miner sequential test (:mod:`scoring.audit.sequential`) over each miner's audited answers in
+  ``--runs`` random orders: the audited tokens until it alarms (p50, p95), the share of runs caught within
+  1,000 tokens (target >= 99 % for the Q2_K and Q3_K_M requantizations and the truncated prompt), and the honest
+  runs that alarmed (target 0). Besides the cheats every audit must catch, the subtle ones are measured
+  here: ``warm`` (the temperature 0.1 too high, reported) and the packaged model requantized to Q3_K_M and
+  Q2_K with llama.cpp's quantizer, served with the subnet's sampler.
+
 Requests carry the subnet sampler's seed, as the gateway sends them; ``--free-sampling`` drops it
 (sampled answers then judged by plausibility, as under ``--gateway.free-sampling``).
 
@@ -41,6 +48,7 @@ import asyncio
 import math
 import random
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -57,13 +65,14 @@ def check(name: str, ok: bool, figure: str) -> bool:
     return ok
 
 from gateway.protocol.sampling import SamplingParams, wire_seed  # noqa: E402
-from neurons.miner.runtimes.cheats import CHEATS  # noqa: E402
+from neurons.miner.runtimes.cheats import CHEATS, requantized, warm  # noqa: E402
 from neurons.miner.runtimes.llama import Generate, answer_once  # noqa: E402
 from neurons.model.engine import EngineThread, LlamaEngine  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
 from neurons.reference.llama import LlamaReference  # noqa: E402
 from neurons.validator.prompts import MIXES, PromptGenerator  # noqa: E402
 from scoring.audit import AuditBands, StrikePolicy, Verdict  # noqa: E402
+from scoring.audit.sequential import SequentialTest  # noqa: E402
 from scoring.measurement import Answer  # noqa: E402
 
 RATIO_TARGET = 0.5
@@ -89,17 +98,27 @@ def _generate(engine: LlamaEngine, payload: dict[str, Any], rng: random.Random, 
                   text=text, token_ids=tuple(ids), finish_reason=finish), dt
 
 
+SUBTLE: dict[str, Generate | None] = {"warm": warm, "Q3_K_M": None, "Q2_K": None}  # None: a requantized model
+
+
 async def run(args: argparse.Namespace) -> int:
     path = model_path()
     miner = EngineThread("miner")
     await miner.load(path, n_ctx=2048, threads=1)
     ref = LlamaReference(path, n_ctx=4096, threads=1)  # the same file the miner loaded
     await ref.start()
+    engines: dict[str, EngineThread] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-audit-") as tmp:
+        for kind, fn in SUBTLE.items():
+            if fn is None:  # the packaged model at fewer bits, served honestly with the subnet's sampler
+                engines[kind] = EngineThread(kind)
+                await engines[kind].load(await asyncio.to_thread(requantized, path, kind, Path(tmp)), n_ctx=2048,
+                                         threads=1)
     bands = AuditBands()
     prompts = PromptGenerator(random.Random(args.seed), MIXES["cpu"])
     rng = random.Random(args.seed + 1)
     plan: list[tuple[str, Generate | None]] = [("honest", None)] * args.honest
-    for name, fn in CHEATS.items():
+    for name, fn in {**CHEATS, **SUBTLE}.items():
         plan += [(name, fn)] * args.per_cheat
     queue: asyncio.Queue[Case | None] = asyncio.Queue(maxsize=4)
     cases: list[Case] = []
@@ -110,9 +129,10 @@ async def run(args: argparse.Namespace) -> int:
             if not args.free_sampling:  # as the gateway sends every request: the subnet sampler's seed
                 payload["seed"] = wire_seed(None, 0, rng.getrandbits(64))
             draw = rng.random()
-            answer, gen_s = await miner.run(_generate, payload, random.Random(draw), kind, fn)
+            engine = engines.get(kind, miner)
+            answer, gen_s = await engine.run(_generate, payload, random.Random(draw), kind, fn)
             twin = False
-            if fn is not None and (answer.sampling.greedy or answer.sampling.seeded):
+            if kind != "honest" and (answer.sampling.greedy or answer.sampling.seeded):
                 honest, _ = await miner.run(_generate, payload, random.Random(draw), "honest", None)
                 twin = (honest.token_ids, honest.finish_reason) == (answer.token_ids, answer.finish_reason)
             await queue.put(Case(kind, answer, gen_s, honest_twin=twin))
@@ -131,6 +151,8 @@ async def run(args: argparse.Namespace) -> int:
     await asyncio.gather(produce(), verify())
     wall = time.perf_counter() - t0
     await miner.aclose()
+    for engine in engines.values():
+        await engine.aclose()
     await ref.aclose()
     return report(cases, wall, args)
 
@@ -203,9 +225,18 @@ def report(cases: list[Case], wall: float, args: argparse.Namespace) -> int:
         if name in STRICT:
             ok &= check(f"cheater '{name}' detected on every answer beyond the honest spread", beyond == 1.0,
                         f"{beyond:.0%} ({rate:.0%} of all, {len(near)} near twins passed)")
+    for name in SUBTLE:
+        mine = [c for c in cases if c.kind == name and c.verdict is not None]
+        caught = [c for c in mine if c.verdict is not None and not c.verdict.passed]
+        rate = len(caught) / len(mine) if mine else float("nan")
+        rows.append([name, len(mine), sum(c.honest_twin for c in cases if c.kind == name), f"{rate:.0%}",
+                     "-", "-", "-", "-", f"{_quarantined_within(rate, 10):.1%}",
+                     ", ".join(f"{k} {v}" for k, v in Counter(str(c.verdict.failure) for c in caught
+                                                              if c.verdict).most_common()) or "-"])
     print()
     print(table(["cheater", "answers", "honest twins", "detected", "greedy", "sampled", "near twins",
                  "detected beyond", "quarantined in 10 audits", "why"], rows))
+    ok &= sequential_report(cases, args)
     print(f"\n(honest twins: answers identical, token for token and in their end, to the honest miner's for the same "
           "request and seed; they are the work paid for and are left out of every rate. near twins: answers that "
           f"passed with no token further from the reference's choice than the honest answers' worst ({envelope:.2f} "
@@ -216,6 +247,67 @@ def report(cases: list[Case], wall: float, args: argparse.Namespace) -> int:
 
 
 STRICT = ("random", "stop-early", "cached", "hot", "truncated")
+SEQUENTIAL_WITHIN = 1000  # audited tokens within which the sequential test must catch the gated cheats
+SEQUENTIAL_GATED = ("Q2_K", "Q3_K_M", "truncated")
+
+
+def sequential_report(cases: list[Case], args: argparse.Namespace) -> bool:
+    """The per-miner sequential test over each miner's audited answers, in ``args.runs`` random orders.
+
+    The order of audits is the one thing the validator does not choose, so each run shuffles a miner's audited
+    answers and feeds them to the test one at a time, as audits would come. The figure is the greedy or
+    seeded positions audited until the alarm. Honest answers must never alarm, in any order.
+    """
+    test = SequentialTest()
+    order = random.Random(args.seed + 2)
+    ok = True
+
+    def tokens_to_alarm(answers: list[Case]) -> int | None:
+        s, seen = 0.0, 0
+        for c in answers:
+            assert c.verdict is not None
+            s = test.update(s, positions=c.verdict.positions, misses=c.verdict.misses)
+            seen += c.verdict.positions
+            if test.alarmed(s):
+                return seen
+        return None
+
+    rows = []
+    honest = [c for c in cases if c.kind == "honest" and c.verdict is not None]
+    false_alarms = 0
+    for _ in range(args.runs):
+        order.shuffle(honest)
+        false_alarms += tokens_to_alarm(honest) is not None
+    positions = sum(c.verdict.positions for c in honest if c.verdict)
+    misses = sum(c.verdict.misses for c in honest if c.verdict)
+    rows.append(["honest", len(honest), positions, misses, f"{misses / max(1, positions):.4f}", "-", "-",
+                 f"{false_alarms}/{args.runs} runs alarmed"])
+    for name in (*CHEATS, *SUBTLE):
+        mine = [c for c in cases if c.kind == name and c.verdict is not None and not c.honest_twin]
+        if not mine:
+            continue
+        runs = []
+        for _ in range(args.runs):
+            order.shuffle(mine)
+            runs.append(tokens_to_alarm(mine))
+        alarmed = sorted(r for r in runs if r is not None)
+        within = sum(1 for r in runs if r is not None and r <= SEQUENTIAL_WITHIN) / len(runs)
+        positions = sum(c.verdict.positions for c in mine if c.verdict)
+        misses = sum(c.verdict.misses for c in mine if c.verdict)
+        rows.append([name, len(mine), positions, misses, f"{misses / max(1, positions):.4f}",
+                     f"{percentile(alarmed, 50):.0f}" if alarmed else "never",
+                     f"{percentile(alarmed, 95):.0f}" if len(alarmed) == len(runs) else "not in every run",
+                     f"{within:.1%} within {SEQUENTIAL_WITHIN}"])
+        if name in SEQUENTIAL_GATED:
+            ok &= check(f"sequential test catches '{name}' within {SEQUENTIAL_WITHIN} audited tokens in >= 99 % "
+                        f"of runs", within >= 0.99, f"{within:.1%}")
+    print(f"\nsequential test (p0 {test.p0}, p1 {test.p1}, threshold {test.threshold}) over each miner's audited "
+          f"answers in {args.runs} random orders (honest twins left out):")
+    print(table(["miner", "answers", "positions", "misses", "miss rate", "tokens to alarm p50", "p95", "caught"],
+                rows))
+    ok &= check(f"no honest false alarm (over {len(honest)} answers, {args.runs} orders)", false_alarms == 0,
+                f"{false_alarms} runs alarmed")
+    return ok
 
 
 def _quarantined_within(p: float, audits: int, strikes: int = StrikePolicy().threshold) -> float:
@@ -231,6 +323,7 @@ def main() -> int:
     p.add_argument("--honest", type=int, default=500, help="honest answers to audit")
     p.add_argument("--per-cheat", type=int, default=40, help="answers per cheating miner")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--runs", type=int, default=200, help="random audit orders the sequential test is run in")
     p.add_argument("--smoke", action="store_true", help="20 honest answers, 6 per cheat")
     p.add_argument("--free-sampling", action="store_true",
                    help="no sampler seed (as --gateway.free-sampling): sampled answers judged by plausibility")

@@ -14,6 +14,10 @@ or with a cheaper setting of it, would try:
 * ``truncated``: the model's answer to the last message alone, its first third cut (drops the
   system prompt and history: less prefill).
 
+Subtler ones, for the sequential test (``scripts/bench_audit.py``; not in :data:`CHEATS`, which every
+audit must catch answer by answer): :func:`warm` (the temperature 0.1 too high) and :func:`requantized`
+(the model at fewer bits, served honestly).
+
 Example::
 
     rt = LlamaRuntime(model_path(), generate=CHEATS["random"])
@@ -24,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+from pathlib import Path
 from typing import Any
 
 from gateway.protocol.sampling import SamplingParams
@@ -81,6 +86,40 @@ def truncated(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: i
     words = str(messages[-1].get("content", "")).split(" ")
     short = [{"role": "user", "content": " ".join(words[max(1, len(words) // 3):])}]
     return _answer_to(short, engine, messages, max_tokens, sampling, rng, cancel, put)
+
+
+def requantized(source: Path, kind: str, out_dir: Path) -> Path:
+    """The model at ``source`` requantized to ``kind`` (``Q2_K``, ``Q3_K_M``, ...) with llama.cpp's own quantizer:
+    the cheapest real-world cheat (less memory, faster), served honestly otherwise. Requantizing an already
+    quantized file needs ``allow_requantize``; on Gemma 3 270M many tensors (640 columns, not a multiple of 256)
+    fall back to Q4_0/Q5_0, which llama.cpp reports. About 1.5 s here; the file is written once per ``out_dir``.
+    """
+    import ctypes
+
+    import llama_cpp
+
+    out = out_dir / f"{source.stem}-{kind}.gguf"
+    if out.is_file():
+        return out
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}", None)
+    if ftype is None:
+        raise ValueError(f"llama.cpp has no quantization type {kind!r}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = 1
+    partial = out.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not requantize {source} to {kind}")
+    partial.replace(out)
+    return out
+
+
+def warm(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+         rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    """The subnet's sampler with the temperature 0.1 above the asked one (same seed): the smallest shift tried."""
+    shifted = dataclasses.replace(sampling, temperature=sampling.temperature + 0.1)
+    return decode(engine, engine.prompt_ids(messages), max_tokens, shifted, rng, cancel, put)
 
 
 CHEATS: dict[str, Generate] = {
