@@ -334,3 +334,69 @@ async def test_runtime_honours_stop_strings_and_the_answer_still_passes_its_audi
             assert not _verdict(reference, forged).passed  # no more ids may hide behind the stop string
     finally:
         await rt.aclose()
+
+
+def test_a_requantized_copy_of_the_model_is_caught_by_the_sequential_test(engine: LlamaEngine,
+                                                                           reference: LlamaEngine,
+                                                                           tmp_path: Path) -> None:
+    """Issue 25: the packaged model requantized to Q2_K (llama.cpp's own quantizer), served with the subnet's
+    sampler, passes some answers one by one; the sequential test over its audited tokens alarms within 1,000, and
+    the honest model's answers to the same requests never move it."""
+    from neurons.miner.runtimes.cheats import requantized
+    from scoring.audit.sequential import SequentialTest
+
+    cheap = LlamaEngine(requantized(model_path(), "Q2_K", tmp_path), n_ctx=2048, threads=1)
+    test = SequentialTest()
+    prompts = PromptGenerator(random.Random(3), MIXES["cpu"])
+    rng = random.Random(4)
+    honest_s = cheat_s = 0.0
+    cheat_seen, alarmed_at = 0, None
+    while cheat_seen < 1000 and alarmed_at is None:
+        payload = prompts.payload("gemma")
+        payload["seed"] = rng.getrandbits(62)
+        sampling = SamplingParams.of(payload)
+        for eng, honest in ((engine, True), (cheap, False)):
+            text, ids, finish = answer_once(eng, payload["messages"], payload["max_tokens"], sampling, random.Random(1))
+            v = _verdict(reference, Answer(messages=payload["messages"], sampling=sampling,
+                                           max_tokens=payload["max_tokens"], stop=(), text=text,
+                                           token_ids=tuple(ids), finish_reason=finish))
+            if honest:
+                honest_s = test.update(honest_s, positions=v.positions, misses=v.misses)
+                assert not test.alarmed(honest_s) and v.passed
+            else:
+                cheat_s = test.update(cheat_s, positions=v.positions, misses=v.misses)
+                cheat_seen += v.positions
+                if test.alarmed(cheat_s):
+                    alarmed_at = cheat_seen
+    assert alarmed_at is not None and alarmed_at <= 1000, cheat_seen
+
+
+async def test_calibration_against_an_honest_miner_writes_bands_the_validator_loads(tmp_path: Path) -> None:
+    """Issue 25 item 3: ``python -m neurons.reference.calibrate`` asks a miner what a validator asks, replays the
+    answers on the reference and writes the bands file (here the miner runs the reference's own runtime, so the
+    spread is the CPU-against-CPU one and the bands stay the defaults)."""
+    from neurons.keys import dev_keypair
+    from neurons.miner.server import start_miner
+    from neurons.miner.trust import AllowList
+    from neurons.reference.bands import load_bands
+    from neurons.reference.calibrate import main as calibrate_main
+
+    rt = LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1)
+    await rt.start()
+    alice = dev_keypair("Alice").ss58_address
+    runner, port = await start_miner(dev_keypair("Bob"), rt, slots=1, trust=AllowList({alice}), contexts=1)
+    out = tmp_path / "bands.json"
+    try:
+        rc = await asyncio.to_thread(calibrate_main, ["--miner", f"http://127.0.0.1:{port}", "--dev-key", "Alice",
+                                                      "--answers", "6", "--out", str(out), "--context", "2048"])
+    finally:
+        await runner.cleanup()
+        await rt.aclose()
+    assert rc == 0
+    bands, test = load_bands(out)
+    measured = json.loads(out.read_text())["measured"]
+    assert measured["replayed"] == 6 and measured["positions"] > 0 and measured["failed_at_default_bands"] == 0
+    assert bands.greedy_gap >= 0.5 and test.p0 >= 2e-3
+    with pytest.raises(SystemExit) as no_key:  # no key to sign with: says what to pass
+        calibrate_main(["--miner", "http://127.0.0.1:1", "--out", str(out)])
+    assert no_key.value.code == 2

@@ -33,7 +33,8 @@ from gateway.protocol.signing import RequestSigner
 from gateway.protocol.tokens import PromptCounter
 from gateway.router import Router
 from gateway.upstream import Upstream, UpstreamLimits, UpstreamTimeouts
-from scoring.audit import AuditBands, StrikeBook
+from scoring.audit import AuditBands, StrikeBook, StrikePolicy
+from scoring.audit.sequential import SequentialTest
 from scoring.credit import CreditConfig
 from scoring.measurement import MeasurementQueue, MeasurementSink
 from scoring.profiles import load_profile
@@ -41,6 +42,7 @@ from scoring.scorer import Scorer
 
 from ..chain.base import Chain
 from ..model.tokenizer import GgufTokenCounter
+from ..reference.bands import load_bands
 from ..reference.base import Reference
 from ..reference.llama import LlamaReference
 from ..reference.remote import RemoteReference
@@ -136,7 +138,12 @@ def build_parts(
                          capacity_check=cfg.capacity_check)
     auditor = None
     if reference is not None:  # sampled with the system RNG: a seeded run must not make audits predictable
-        auditor = Auditor(reference, bands or AuditBands(), StrikeBook(), rate=cfg.audit_rate,
+        test = SequentialTest()
+        if cfg.audit_bands is not None:
+            measured, test = load_bands(cfg.audit_bands)
+            bands = bands or measured
+        auditor = Auditor(reference, bands or AuditBands(), StrikeBook(StrikePolicy(sequential=test)),
+                          rate=cfg.audit_rate,
                           max_queue=cfg.audit_queue)
     return ValidatorParts(cfg, keypair, router, client, measurements, upstream, gateway, scorer, prompts, probes,
                           auditor)

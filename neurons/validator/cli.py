@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..chain.subtensor import ChainSeamError
     from ..keys import MissingKeyError
     from ..model.packaged import ModelUnavailable
+    from ..reference.bands import BandsFileError
 
     cfg = parse_args(argv)
     _configure_logging(cfg.log_level)
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("stopped")
         return 0
     except (MissingKeyError, ChainSeamError, StateError, ModelUnavailable, ProfileError, CorruptChainState,
-            KeysFileError) as e:
+            KeysFileError, BandsFileError) as e:
         logger.error("{}", e)
         return 2
 

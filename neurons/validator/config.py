@@ -61,6 +61,7 @@ class ValidatorConfig:
     audit_queue: int = 256
     audit_threads: int = 1
     audit_context: int = 4096
+    audit_bands: Path | None = None  # a bands file from python -m neurons.reference.calibrate (None: the defaults)
     log_level: str = "INFO"
     seed: int | None = None
     # Embedded local subnet (the README's main job).
@@ -169,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "measured (a random-word miner earns like an honest card); logged every round and shown "
                          "in /v1/status. Off --local, the validator refuses to start with neither this nor "
                          "--audit.model / --audit.url")
+    au.add_argument("--audit.bands", dest="audit_bands", type=Path, default=None,
+                    help="bands measured for this reference against honest miners ('python -m "
+                         "neurons.reference.calibrate' writes the file; default: the bands measured CPU against CPU)")
     au.add_argument("--audit.rate", dest="audit_rate", type=float, default=d.audit_rate,
                     help="share of organic answers audited (probes are always audited)")
     au.add_argument("--audit.queue", dest="audit_queue", type=int, default=d.audit_queue,

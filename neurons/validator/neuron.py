@@ -40,6 +40,7 @@ from scoring.store import CorruptStateError, ScoreStore
 from scoring.weights import why_empty
 
 from ..chain.base import Chain, NeuronInfo
+from ..reference.bands import describe
 from ..supervise import every, supervise
 from .config import ValidatorConfig
 from .corpus import stdlib_passages
@@ -149,8 +150,9 @@ class Validator:
         await self.open_state()
         if self.auditor is not None:
             await self.auditor.reference.start()  # loads the model (a second for the packaged one)
-            logger.info("auditing {:.0%} of organic answers and every probe on {}", self.auditor.rate,
-                        self.auditor.reference.name)
+            logger.info("auditing {:.0%} of organic answers and every probe on {}; bands {}: {}", self.auditor.rate,
+                        self.auditor.reference.name, self.cfg.audit_bands or "(defaults, measured CPU against CPU)",
+                        describe(self.auditor.bands, self.auditor.book.policy.sequential))
         await self.sync_metagraph()
         if self.scorer.restored:
             logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),

@@ -1,0 +1,111 @@
+"""Audit bands per reference: measured from honest answers, written to a file, loaded by the validator.
+
+Why: the bands in :class:`scoring.audit.AuditBands` and the sequential test's honest miss rate
+(:class:`scoring.audit.sequential.SequentialTest`) were measured CPU against CPU. A reference on other
+hardware, or miners on other runtimes, have their own numerics. The near-ties they flip are the honest
+spread the bands must sit above. ``python -m neurons.reference.calibrate`` measures that spread between
+this reference and a given miner and writes a bands file; ``--audit.bands FILE`` loads it, and the
+validator logs the bands it uses at start.
+
+The rules from measurement to bands (:func:`bands_from`) never narrow the defaults, only widen them:
+
+* ``greedy_gap`` (the near-tie band) is at least 1.25x the 99.9th percentile of honest per-position gaps;
+* ``greedy_hard_gap`` is at least 1.5x the worst honest gap;
+* ``z_limit`` is at least 1.3x the largest honest |z| of free draws;
+* the sequential test's ``p0`` is at least 4x the honest miss rate, counted with one extra miss so that
+  zero misses is never read as a rate of zero; ``p1`` is 10x ``p0``.
+
+Example::
+
+    save_bands(path, bands, test, measured={"answers": 300})
+    bands, test = load_bands(path)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scoring.audit import AuditBands
+from scoring.audit.sequential import SequentialTest
+
+FORMAT = "tensorgate-audit-bands/1"
+
+
+@dataclass(frozen=True, slots=True)
+class HonestSpread:
+    """What honest answers showed against this reference: every determined position's gap, free draws' |z|."""
+
+    gaps: Sequence[float]  # nats below the reference's choice, one per greedy or seeded position
+    misses: int  # positions beyond the near-tie band the answers were judged with
+    positions: int
+    z: Sequence[float]  # |z| of free draws (empty when every request was seeded)
+
+
+def bands_from(spread: HonestSpread, base: AuditBands | None = None,
+               test: SequentialTest | None = None) -> tuple[AuditBands, SequentialTest]:
+    """Bands that sit above ``spread`` with margin, never narrower than ``base`` / ``test`` (the defaults)."""
+    base = base or AuditBands()
+    test = test or SequentialTest()
+    gaps = sorted(g for g in spread.gaps if math.isfinite(g))
+    near_tie = base.greedy_gap
+    hard = base.greedy_hard_gap
+    if gaps:
+        p999 = gaps[min(len(gaps) - 1, math.ceil(0.999 * len(gaps)) - 1)]
+        near_tie = max(near_tie, 1.25 * p999)
+        hard = max(hard, 1.5 * gaps[-1], 2.0 * near_tie)
+    z_limit = max([base.z_limit] + [1.3 * z for z in spread.z if math.isfinite(z)])
+    rate = (spread.misses + 1) / (spread.positions + 1)
+    p0 = min(0.05, max(test.p0, 4.0 * rate))
+    bands = dataclasses.replace(base, greedy_gap=near_tie, greedy_hard_gap=hard, z_limit=z_limit)
+    return bands, dataclasses.replace(test, p0=p0, p1=min(0.5, max(test.p1, 10.0 * p0)))
+
+
+def save_bands(path: Path, bands: AuditBands, test: SequentialTest, *, measured: dict[str, Any]) -> None:
+    """Write the file ``--audit.bands`` loads (what was measured rides along, for the operator)."""
+    doc = {"format": FORMAT, "bands": dataclasses.asdict(bands), "sequential": dataclasses.asdict(test),
+           "measured": measured}
+    tmp = path.with_suffix(path.suffix + ".partial")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+class BandsFileError(ValueError):
+    """A bands file that cannot be used: the validator refuses to start with it (and says which field)."""
+
+
+def load_bands(path: Path) -> tuple[AuditBands, SequentialTest]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BandsFileError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise BandsFileError(f"{path}: not a bands file (format {FORMAT!r} expected)")
+    try:
+        bands = _fields(AuditBands, doc.get("bands"))
+        test = _fields(SequentialTest, doc.get("sequential"))
+    except (TypeError, ValueError) as e:
+        raise BandsFileError(f"{path}: {e}") from None
+    return bands, test
+
+
+def _fields(cls: Any, raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"'{cls.__name__}' must be an object")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}")
+    return cls(**raw)
+
+
+def describe(bands: AuditBands, test: SequentialTest) -> str:
+    """One line for the validator's start log."""
+    return (f"near-tie {bands.greedy_gap:.2f} nats, hard {bands.greedy_hard_gap:.2f} nats, "
+            f"misses allowed {bands.min_misses} (or {bands.greedy_miss_share:.0%}), z within ±{bands.z_limit:.1f}; "
+            f"sequential test p0 {test.p0:g}, p1 {test.p1:g}, threshold {test.threshold:g}")

@@ -1,0 +1,181 @@
+"""``python -m neurons.reference.calibrate``: measure the honest spread between this reference and a miner, write bands.
+
+The miner is asked what a validator asks: signed requests from the probes' prompt mix, each with the subnet
+sampler's seed (or none, ``--free-sampling``). It must trust the calibrating key (``--allow`` on the reference
+miner). Its answers are replayed on the reference (``--model``, the file the validator audits with), each
+position's gap from the reference's choice is kept, and the bands file :mod:`neurons.reference.bands` derives
+from them is written (``--out``). Run it against a miner you know is honest: the file says what honest looks like.
+
+Example::
+
+    python -m neurons.reference.calibrate --miner http://gpu-box:8091 --model /models/subnet.gguf \\
+        --dev-key Alice --answers 300 --out bands.json
+    python -m neurons.validator ... --audit.model /models/subnet.gguf --audit.bands bands.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from loguru import logger
+
+from gateway.http.client import MinerClient
+from gateway.protocol.signing import RequestSigner
+from gateway.router import Candidate, Router
+from gateway.upstream import Upstream, UpstreamLimits
+from scoring.audit import AuditBands, Verdict, check_ids, force, judge
+from scoring.measurement import Answer, Measurement
+
+from ..keys import dev_keypair, load_hotkey
+from ..model.engine import EngineThread, LlamaEngine
+from ..model.packaged import ModelUnavailable, model_path
+from .bands import HonestSpread, bands_from, describe, save_bands
+
+
+def spread_of(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> tuple[list[float], Verdict] | None:
+    """On the reference's thread: each determined position's gap and the verdict (None: too long to replay)."""
+    checked = check_ids(answer, vocab_size=engine.vocab_size, piece=engine.piece, stop_ids=engine.stop_ids)
+    if isinstance(checked, Verdict):
+        return [], checked
+    prompt = engine.prompt_ids(answer.messages)
+    if len(prompt) + len(checked.ids) + 1 > engine.n_ctx:
+        return None
+    scores = force(engine.forced_logits(prompt, checked.ids), checked.ids, answer.sampling, engine.stop_ids)
+    determined = answer.sampling.greedy or answer.sampling.seeded
+    return ([float(g) for g in scores.gap] if determined else []), judge(answer, checked, scores, bands)
+
+
+def _model_file(name: str) -> Path:
+    return model_path() if name == "packaged" else Path(name).expanduser()
+
+
+class _Collect:
+    """The measurement sink: keeps what each probe measured."""
+
+    def __init__(self) -> None:
+        self.items: list[Measurement] = []
+
+    def record(self, m: Measurement) -> None:
+        self.items.append(m)
+
+
+async def _miner_hotkey(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        body = await r.json(content_type=None)
+    hotkey = body.get("hotkey") if isinstance(body, dict) else None
+    if not isinstance(hotkey, str) or not hotkey:
+        raise RuntimeError(f"{url}/health names no hotkey (is it a tensorgate miner?)")
+    return hotkey
+
+
+async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
+    from ..validator.prompts import MIXES, PromptGenerator
+
+    url = args.miner if "://" in args.miner else f"http://{args.miner}"
+    async with aiohttp.ClientSession() as session:
+        hotkey = await _miner_hotkey(session, url)
+    router = Router()
+    router.sync([Candidate(uid=1, hotkey=hotkey, endpoint=url.split("://", 1)[1].rstrip("/"), slots=1)])
+    sink = _Collect()
+    upstream = Upstream(MinerClient(), RequestSigner(keypair), sink,
+                        limits=UpstreamLimits(keep_answers=True, seeded_sampling=not args.free_sampling))
+    ref = EngineThread("calibrate")
+    path = await asyncio.to_thread(_model_file, args.model)
+    await ref.load(path, n_ctx=args.context, threads=args.threads)
+    base = AuditBands()
+    prompts = PromptGenerator(random.Random(args.seed), MIXES[args.mix])
+    gaps: list[float] = []
+    zs: list[float] = []
+    misses = positions = failed = skipped = 0
+    t0 = time.monotonic()
+    try:
+        for i in range(args.answers):
+            lease = router.acquire()
+            if lease is None:
+                raise RuntimeError("the miner is not routable")
+            try:
+                m = await upstream.probe(lease, prompts.payload(args.served_model))
+            finally:
+                router.release(lease)
+            if not m.ok or m.answer is None:
+                skipped += 1
+                continue
+            got = await ref.run(spread_of, m.answer, base)
+            if got is None:
+                skipped += 1
+                continue
+            answer_gaps, verdict = got
+            gaps += answer_gaps
+            misses += verdict.misses
+            positions += verdict.positions
+            failed += not verdict.passed
+            if verdict.z is not None:
+                zs.append(abs(verdict.z))
+            if (i + 1) % 50 == 0:
+                logger.info("{} of {} answers replayed", i + 1, args.answers)
+    finally:
+        await upstream.client.close()
+        await ref.aclose()
+    if not positions and not zs:
+        logger.error("no answer could be replayed ({} skipped): nothing to calibrate from", skipped)
+        return 1
+    spread = HonestSpread(gaps=gaps, misses=misses, positions=positions, z=zs)
+    bands, test = bands_from(spread)
+    measured = {"miner": url, "miner_hotkey": hotkey, "reference": str(path), "answers": args.answers,
+                "replayed": args.answers - skipped, "positions": positions, "misses_at_default_band": misses,
+                "failed_at_default_bands": failed, "worst_gap": max(gaps, default=0.0),
+                "max_abs_z": max(zs, default=0.0), "seconds": round(time.monotonic() - t0, 1),
+                "free_sampling": bool(args.free_sampling)}
+    save_bands(Path(args.out), bands, test, measured=measured)
+    logger.info("honest spread: {} positions, {} off the default near-tie band, worst gap {:.2f}; {} answers of {} "
+                "failed the default bands", positions, misses, max(gaps, default=0.0), failed,
+                args.answers - skipped)
+    logger.info("wrote {}: {}", args.out, describe(bands, test))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m neurons.reference.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--miner", required=True, help="a miner known to be honest: http://host:port")
+    p.add_argument("--model", default="packaged", help="the reference's GGUF file (what --audit.model names)")
+    p.add_argument("--out", required=True, help="the bands file to write (--audit.bands reads it)")
+    p.add_argument("--answers", type=int, default=300, help="answers to ask for and replay")
+    p.add_argument("--served-model", dest="served_model", default="tensorgate/gemma-3-270m",
+                   help="the model name put in the requests")
+    p.add_argument("--mix", choices=("cpu", "gpu"), default="cpu", help="prompt sizes (neurons.validator.prompts)")
+    p.add_argument("--free-sampling", action="store_true", help="no sampler seed (as --gateway.free-sampling)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--dev-key", dest="dev_key", default=None, help="sign with //NAME (local testing)")
+    p.add_argument("--wallet.name", dest="wallet_name", default=None)
+    p.add_argument("--wallet.hotkey", dest="wallet_hotkey", default="default")
+    p.add_argument("--wallet.path", dest="wallet_path", default=None)
+    args = p.parse_args(argv)
+    if args.answers < 1:
+        p.error("--answers must be >= 1")
+    if not args.dev_key and not args.wallet_name:
+        p.error("sign with a validator's hotkey: --wallet.name (and --wallet.hotkey), or --dev-key NAME locally")
+    logger.remove()
+    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    keypair = dev_keypair(args.dev_key) if args.dev_key else load_hotkey(args.wallet_name, args.wallet_hotkey,
+                                                                           args.wallet_path)
+    try:
+        return asyncio.run(calibrate(args, keypair))
+    except (ModelUnavailable, RuntimeError, aiohttp.ClientError, OSError) as e:
+        logger.error("{}", e)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

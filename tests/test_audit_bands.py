@@ -1,0 +1,57 @@
+"""Audit bands per reference (neurons.reference.bands): derived from an honest spread, saved, loaded, wired."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from neurons.reference.bands import BandsFileError, HonestSpread, bands_from, describe, load_bands, save_bands
+from scoring.audit import AuditBands
+from scoring.audit.sequential import SequentialTest
+
+
+def test_a_tight_honest_spread_keeps_the_defaults_and_a_wide_one_widens_them() -> None:
+    tight = HonestSpread(gaps=[0.0] * 5000 + [0.3], misses=0, positions=5001, z=[1.0, 2.5])
+    bands, test = bands_from(tight)
+    assert bands == AuditBands() and test == SequentialTest()  # never narrower than the defaults
+    wide = HonestSpread(gaps=[0.0] * 990 + [0.6] * 10, misses=10, positions=1000, z=[6.0])
+    bands, test = bands_from(wide)
+    assert bands.greedy_gap == pytest.approx(0.75)  # 1.25x the honest 99.9th percentile
+    assert bands.greedy_hard_gap >= 1.5 * 0.6 and bands.z_limit == pytest.approx(7.8)
+    assert test.p0 == pytest.approx(4 * 11 / 1001) and test.p1 == pytest.approx(10 * test.p0)
+    assert "near-tie 0.75" in describe(bands, test)
+
+
+def test_bands_round_trip_and_a_bad_file_is_refused_with_what_is_wrong(tmp_path: Path) -> None:
+    path = tmp_path / "bands.json"
+    bands, test = AuditBands(greedy_gap=0.7), SequentialTest(p0=0.004, p1=0.04)
+    save_bands(path, bands, test, measured={"answers": 3})
+    assert load_bands(path) == (bands, test)
+    assert json.loads(path.read_text())["measured"] == {"answers": 3}
+    doc = json.loads(path.read_text())
+    for change, why in (({"format": "other"}, "not a bands file"),
+                        ({"bands": {**doc["bands"], "greedy_gap": -1}}, "greedy_gap"),
+                        ({"bands": {**doc["bands"], "typo": 1}}, "unknown AuditBands fields"),
+                        ({"sequential": {"p0": 0.5, "p1": 0.1, "threshold": 15}}, "p0 < p1")):
+        path.write_text(json.dumps({**doc, **change}))
+        with pytest.raises(BandsFileError, match=why):
+            load_bands(path)
+    path.write_text("{")
+    with pytest.raises(BandsFileError, match="JSON"):
+        load_bands(path)
+
+
+def test_the_validator_audits_with_the_bands_file_it_is_given(tmp_path: Path) -> None:
+    from neurons.keys import dev_keypair
+    from neurons.validator.build import build_parts
+    from neurons.validator.config import ValidatorConfig
+
+    path = tmp_path / "bands.json"
+    save_bands(path, AuditBands(greedy_gap=0.9), SequentialTest(p0=0.01, p1=0.1), measured={})
+    parts = build_parts(ValidatorConfig(gateway_port=0, audit_model="toy", audit_bands=path), dev_keypair("Alice"))
+    assert parts.auditor is not None
+    assert parts.auditor.bands.greedy_gap == 0.9 and parts.auditor.book.policy.sequential.p0 == 0.01
+    plain = build_parts(ValidatorConfig(gateway_port=0, audit_model="toy"), dev_keypair("Alice"))
+    assert plain.auditor is not None and plain.auditor.bands == AuditBands()
