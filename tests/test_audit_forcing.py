@@ -217,8 +217,8 @@ def test_the_pruned_sampler_picks_the_specs_token_every_time() -> None:
         if trial % 7 == 0:
             logits[: vocab // 2] = logits[0]  # ties: the lowest id must win, as a full argmax has it
         seed = int(rng.integers(0, 2**62))
-        sampling = SamplingParams(float(rng.choice([0.3, 0.7, 1.0, 1.5])), float(rng.choice([1.0, 0.9, 0.5])),
-                                  seed=seed)
+        temperature = float(rng.choice([1e-4, 0.05, 0.3, 0.7, 1.0, 1.5]))  # scaled logits up to ~1e6
+        sampling = SamplingParams(temperature, float(rng.choice([1.0, 0.9, 0.5])), seed=seed)
         position = int(rng.integers(0, 4000))
         assert seeded_token(logits, sampling, position) == _spec_token(logits, sampling, position), trial
         scaled = np.asarray(logits / sampling.temperature, dtype=np.float64)

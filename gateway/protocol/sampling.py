@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,7 +145,8 @@ def _largest_finite_variate() -> float:
 
 # No token whose scaled logit is more than this below some token's score can win, so only the tokens within it of
 # the best known score need hashing. Exact but for the one-in-2**53 infinite variate, where a pruned and a full
-# argmax could differ (about once in 3e10 tokens on a 262k vocabulary). A hair of slack covers rounding.
+# argmax could differ (about once in 3e10 tokens on a 262k vocabulary). A hair of slack, relative to the scores
+# (whose rounding grows with them: at temperature 1e-5 a scaled logit is ~1e6), covers rounding.
 GUMBEL_MAX = _largest_finite_variate()
 _PRUNE_SLACK = 1e-9
 
@@ -161,8 +163,8 @@ def contenders(scaled: FloatArray, seed: int, position: int, allowed: npt.NDArra
     masked = scaled if allowed is None else np.where(allowed, scaled, -np.inf)
     top = int(np.argmax(masked))
     first = float(masked[top]) + float(gumbel_at(seed, position, np.array([top]))[0])
-    keep = masked >= first - GUMBEL_MAX - _PRUNE_SLACK
-    if 4 * int(np.count_nonzero(keep)) > keep.shape[0]:
+    keep = masked >= first - GUMBEL_MAX - _PRUNE_SLACK * max(1.0, abs(first))  # NaN/inf first: keeps none
+    if not math.isfinite(first) or 4 * int(np.count_nonzero(keep)) > keep.shape[0]:
         every = _every_id(keep.shape[0])
         score = gumbel_at(seed, position, every)
         score += masked
