@@ -237,3 +237,16 @@ async def test_reference_service_refuses_to_listen_open_beyond_loopback_and_read
                 assert r.status == 401
     finally:
         await runner.cleanup()
+
+
+def test_a_reference_services_reply_with_bad_counts_is_a_reference_error_not_a_crash() -> None:
+    """The strike book and pay add the reply's counts up: a count that is not a whole, non-negative number is refused
+    (the auditor books a reference error; the miner is paid as measured)."""
+    from neurons.reference.protocol import verdict_from_json
+
+    good = verdict_from_json({"verdict": {"passed": True, "tokens": 5, "positions": 5, "misses": 1}})
+    assert good is not None and (good.positions, good.misses) == (5, 1)
+    for bad in ({"positions": "5"}, {"misses": -1}, {"tokens": 1.5}, {"positions": True},
+                {"positions": 2, "misses": 3}):
+        with pytest.raises(ValueError):
+            verdict_from_json({"verdict": {"passed": True, **bad}})

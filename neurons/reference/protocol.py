@@ -107,4 +107,10 @@ def verdict_from_json(obj: Any) -> Verdict | None:
     known = {f.name for f in dataclasses.fields(Verdict)}
     fields = {k: x for k, x in v.items() if k in known}
     fields["failure"] = None if failure is None else AuditFailure(failure)
+    for name in ("tokens", "positions", "misses"):  # counts the strike book and pay add up: whole, not negative
+        x = fields.get(name, 0)
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise ValueError(f"verdict.{name} must be a non-negative integer, got {x!r}")
+    if fields.get("misses", 0) > fields.get("positions", 0):
+        raise ValueError("verdict.misses exceeds verdict.positions")
     return Verdict(**fields)
