@@ -86,7 +86,8 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
 async def error_of(resp: aiohttp.ClientResponse) -> dict[str, Any]:
     assert resp.content_type == "application/json"
     err = (await resp.json())["error"]
-    assert set(err) == {"message", "type", "param", "code"}
+    assert set(err) == {"message", "type", "param", "code", "request_id"}
+    assert err["request_id"] == resp.headers["X-Request-Id"]  # the same id in the body and the header
     return err
 
 

@@ -180,3 +180,32 @@ async def test_a_started_gateway_freezes_the_startup_heap_out_of_full_collection
         assert gc.get_freeze_count() > 1000  # the SDK, imports and everything else allocated so far
     finally:
         gc.unfreeze()
+
+
+async def test_a_request_id_is_kept_or_made_returned_and_in_every_log_line_about_the_request(make_miner,
+                                                                                              make_gateway) -> None:
+    """Issue 26: one id per request, from X-Request-Id or made, in the answer's header, the error body and the logs."""
+    from loguru import logger
+
+    from neurons.validator.cli import log_format
+
+    lines: list[str] = []
+    sink = logger.add(lambda msg: lines.append(str(msg)), format=log_format, level="DEBUG")
+    try:
+        m = await make_miner(Script("garbage"))  # a miner failure: the gateway logs about the request
+        h = await make_gateway([m], max_retries=0, access_log=True)
+        async with h.chat(body(), headers={"X-Request-Id": "trace-42.a:b"}) as r:
+            assert r.status == 502 and r.headers["X-Request-Id"] == "trace-42.a:b"
+            assert (await error_of(r))["request_id"] == "trace-42.a:b"
+        async with h.chat(body(), headers={"X-Request-Id": "not a token\\x7f"}) as r:
+            made = r.headers["X-Request-Id"]
+            assert made.startswith("req_") and len(made) == 28  # the client's was not a sane token: a new one
+            await r.read()
+        async with h.client.get(h.base_url + "/health") as r:
+            assert r.headers["X-Request-Id"].startswith("req_")  # every answer has one
+    finally:
+        logger.remove(sink)
+    about = [line for line in lines if "[trace-42.a:b]" in line]
+    assert any("garbage" in line for line in about), lines[-10:]  # the miner's failure, logged with the id
+    assert any("POST /v1/chat/completions 502" in line for line in about)  # the access log line
+    assert not any("[trace-42.a:b]" in line for line in lines if "GET /health" in line)  # only its own lines

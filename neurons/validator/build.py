@@ -118,6 +118,7 @@ def build_parts(
     gateway_options.setdefault("max_connections", cfg.max_connections)
     gateway_options.setdefault("first_byte_budget_s", cfg.first_byte_budget_s)
     gateway_options.setdefault("audits", reference is not None)
+    gateway_options.setdefault("access_log", cfg.log_access)
     gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
                                         keys=api_keys, max_retries=cfg.max_retries, **gateway_options)
     gateway = Gateway(gw_cfg, router, upstream, counter=_prompt_counter(cfg, reference))

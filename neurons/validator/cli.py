@@ -19,10 +19,15 @@ from .build import build_validator
 from .config import ValidatorConfig, parse_args
 
 
+def log_format(record: Any) -> str:
+    """Date and time, level, the request id of a line written while serving a request, the message."""
+    rid = "[{extra[request_id]}] " if "request_id" in record["extra"] else ""
+    return "<green>{time:YYYY-MM-DD HH:mm:ss}</green> <level>{level: <7}</level> " + rid + "{message}\n{exception}"
+
+
 def _configure_logging(level: str) -> None:
     logger.remove()
-    logger.add(sys.stderr, level=level.upper(),
-               format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    logger.add(sys.stderr, level=level.upper(), format=log_format)
 
 
 async def _run_network(cfg: ValidatorConfig) -> int:
