@@ -142,7 +142,11 @@ class Gateway:
             "/v1/models": {"GET": self._models},
             "/v1/status": {"GET": self._status},
             "/health": {"GET": self._health},
+            "/ready": {"GET": self._ready},
         }
+        # Why the service should not get traffic now (None: ready); the validator sets it. Without it, ready
+        # means some miner is routable.
+        self.readiness: Callable[[], str | None] | None = None
         self._server: HttpServer | None = None
         self.stopping = False  # stop() began: new completion requests get 503 shutting_down
         self._serving = 0  # completion requests admitted and not yet answered
@@ -294,6 +298,22 @@ class Gateway:
     async def _health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         await send_json(send, 200, {"status": "ok", "miners": len(self.router),
                                     "in_flight": self.router.total_in_flight()})
+
+    async def _ready(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        """200 when the service should get traffic; 503 with the first reason it should not (no key: for load
+        balancers and orchestrators, like ``/health``, which only says the process answers)."""
+        if self.stopping:
+            reason: str | None = "the gateway is shutting down"
+        elif self.readiness is not None:
+            reason = self.readiness()
+        elif not any(not m.quarantined for m in self.router.miners()):
+            reason = "no miner is routable"
+        else:
+            reason = None
+        if reason is None:
+            await send_json(send, 200, {"status": "ready"})
+        else:
+            await send_json(send, 503, {"status": "not ready", "reason": reason}, headers={"Retry-After": "5"})
 
     async def _models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         self._authorize(headers)

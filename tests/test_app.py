@@ -209,3 +209,20 @@ async def test_a_request_id_is_kept_or_made_returned_and_in_every_log_line_about
     assert any("garbage" in line for line in about), lines[-10:]  # the miner's failure, logged with the id
     assert any("POST /v1/chat/completions 502" in line for line in about)  # the access log line
     assert not any("[trace-42.a:b]" in line for line in lines if "GET /health" in line)  # only its own lines
+
+
+async def test_ready_says_why_not_while_no_miner_is_routable(make_miner, make_gateway) -> None:
+    """Issue 26: /health only says the process answers; /ready is what a load balancer should read."""
+    m = await make_miner()
+    h = await make_gateway([m])
+    async with h.client.get(h.base_url + "/ready") as r:
+        assert r.status == 200 and (await r.json())["status"] == "ready"
+    h.router.set_quarantined({m.hotkey})  # every miner quarantined: nothing to route to
+    async with h.client.get(h.base_url + "/ready") as r:
+        got = await r.json()
+        assert r.status == 503 and "no miner is routable" in got["reason"] and r.headers["Retry-After"] == "5"
+    h.gateway.readiness = lambda: "the metagraph is 900 s old"
+    async with h.client.get(h.base_url + "/ready") as r:
+        assert r.status == 503 and (await r.json())["reason"] == "the metagraph is 900 s old"
+    async with h.client.get(h.base_url + "/health") as r:
+        assert r.status == 200  # alive all along

@@ -100,6 +100,11 @@ async def test_reference_trouble_is_never_the_miners() -> None:
     assert all(x.ok and not x.audited for x in done) and len(done) == 2
     assert auditor.counts["errors"] == 1 and auditor.counts["unauditable"] == 1
     assert not auditor.book.records  # no strike, no pass: nothing was judged
+    assert auditor.reference_errors == 0  # the reference answered after failing: errors in a row start over
+    for _ in range(3):
+        assert auditor.take(m("boom"))
+    await _settle(auditor)
+    assert auditor.reference_errors == 3 and "fell over" in auditor.reference_error  # what /ready reports
 
 
 async def test_a_full_queue_pays_unaudited_and_counts_the_drop() -> None:

@@ -62,6 +62,8 @@ class Auditor:
         self._ready: list[Measurement] = []
         self.outcomes: deque[StoredAudit] = deque(maxlen=10_000)  # drained by the validator into the store
         self.counts: Counter[str] = Counter()  # sampled, passed, failed, dropped, unauditable, errors
+        self.reference_errors = 0  # reference failures in a row (a verdict resets it)
+        self.reference_error = ""  # the last one, for /ready
         self.quarantine_changed = False
         self._confirmed: set[str] = set()  # hotkeys with an organic answer that passed its audit this round
 
@@ -121,9 +123,12 @@ class Auditor:
             raise
         except Exception as e:  # the reference's fault, never the miner's
             self.counts["errors"] += 1
+            self.reference_errors += 1  # in a row: /ready says so past a few
+            self.reference_error = f"{type(e).__name__}: {e}"[:200]
             logger.opt(exception=e).warning("reference failed on an answer of uid {}: paid unaudited", m.uid)
             self._ready.append(m)
             return
+        self.reference_errors = 0
         if verdict is None:
             self.counts["unauditable"] += 1
             self._ready.append(m)

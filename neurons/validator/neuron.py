@@ -44,6 +44,7 @@ from ..reference.bands import describe
 from ..supervise import every, supervise
 from .config import ValidatorConfig
 from .corpus import stdlib_passages
+from .readiness import not_ready
 
 if TYPE_CHECKING:
     from .build import ValidatorParts
@@ -100,6 +101,8 @@ class Validator:
         self._weights_failures = 0  # refusals in a row (backoff: next block, then 2, 4, ... up to an interval)
         self._retry_weights_at = 0
         self._store_thread: ThreadPoolExecutor | None = None
+        self._synced_at: float | None = None  # when the metagraph was last read (monotonic)
+        self._max_metagraph_age_s = 600.0  # set from the chain's block time at start
 
     # -- state I/O, off the event loop ------------------------------------------------------------
 
@@ -157,11 +160,13 @@ class Validator:
         if self.scorer.restored:
             logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
                         self.cfg.state_dir)
+        self.gateway.readiness = self.readiness
         await self.gateway.start()
         self._corpus_task = asyncio.create_task(self._load_corpus(), name="probe-corpus")
         params = await self.chain.params()
         block_s = max(0.05, params.block_time)
         sync_s = self.cfg.sync_interval_blocks * block_s
+        self._max_metagraph_age_s = 3 * sync_s + 60.0  # three missed syncs and a minute: the chain is not answering
         self._tasks = [
             supervise("metagraph-sync", lambda: every(sync_s, self.sync_metagraph, first_delay_s=sync_s),
                       restarts=self.restarts),
@@ -223,8 +228,18 @@ class Validator:
         self.parts.prompts.corpus = passages
         logger.info("probe corpus: {} passages of the standard library's documentation", len(passages))
 
+    def readiness(self) -> str | None:
+        """Why the validator should not be sent traffic now, or None (``/ready``)."""
+        age = None if self._synced_at is None else time.monotonic() - self._synced_at
+        auditor = self.auditor
+        return not_ready(routable=sum(1 for m in self.router.miners() if not m.quarantined), metagraph_age_s=age,
+                         max_age_s=self._max_metagraph_age_s,
+                         reference_errors=auditor.reference_errors if auditor is not None else 0,
+                         reference_error=auditor.reference_error if auditor is not None else "")
+
     async def sync_metagraph(self) -> None:
         neurons = await self.chain.metagraph()
+        self._synced_at = time.monotonic()
         self.hotkey_to_uid = {n.hotkey: n.uid for n in neurons}
         self.my_uid = self.hotkey_to_uid.get(self.hotkey)
         cands = candidates(neurons, self.hotkey, self.cfg.min_validator_stake)
