@@ -26,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hmac
 import json
+import os
 import re
 import time
 from collections import Counter
@@ -36,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from loguru import logger
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .asgi import BodyTimeout, ClientGone, Message, Receive, Scope, Send, send_json
-from .auth import ApiKeyAuth, load_keys
-from .http.server import HttpServer
+from .auth import ApiKeyAuth, bearer_token, load_keys
+from .http.server import HttpServer, is_loopback
+from .metrics import METRICS_KEY_ENV, GatewayCollector
 from .protocol.errors import (
     GatewayError,
     invalid_json,
@@ -83,6 +87,7 @@ class GatewayConfig:
     first_byte_budget_s: float = 30.0  # the whole wait for a first byte, retries included
     audits: bool = True  # answers are verified by a reference (False: /v1/status says every answer is paid unverified)
     access_log: bool = False  # one INFO line per request (method, path, status, time; the request id rides along)
+    metrics_key: str | None = None  # bearer key of GET /metrics (None: loopback clients only)
     # Once listening, what the process allocated so far (the SDK, imports, the metagraph) lives as long as it
     # does: gc.freeze() takes it out of full collections, each of which would otherwise scan it while every
     # stream waits (one took 66 ms under load). Off in tests, which start many gateways in one process.
@@ -107,6 +112,7 @@ class GatewayConfig:
             logger.info("{} API keys, {} with limits", len(policies), limited)
         if models is not None:
             kwargs["models"] = tuple(models)
+        kwargs.setdefault("metrics_key", (os.environ if env is None else env).get(METRICS_KEY_ENV) or None)
         return cls(api_keys=policies, **kwargs)
 
     def relay_config(self) -> RelayConfig:
@@ -143,7 +149,11 @@ class Gateway:
             "/v1/status": {"GET": self._status},
             "/health": {"GET": self._health},
             "/ready": {"GET": self._ready},
+            "/metrics": {"GET": self._metrics},
         }
+        self.metrics = GatewayCollector(self)  # the validator adds its own families
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self.metrics)
         # Why the service should not get traffic now (None: ready); the validator sets it. Without it, ready
         # means some miner is routable.
         self.readiness: Callable[[], str | None] | None = None
@@ -314,6 +324,22 @@ class Gateway:
             await send_json(send, 200, {"status": "ready"})
         else:
             await send_json(send, 503, {"status": "not ready", "reason": reason}, headers={"Retry-After": "5"})
+
+    async def _metrics(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        """Prometheus' text format. The operator's: a bearer key of its own, or loopback clients only."""
+        key = self.config.metrics_key
+        if key is not None:
+            given = bearer_token(headers.get("authorization")) or ""
+            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
+                raise unauthorized("/metrics needs the metrics key (TENSORGATE_METRICS_KEY)")
+        elif not is_loopback((scope.get("client") or ("",))[0]):
+            raise GatewayError(403, "/metrics is served to loopback clients only unless TENSORGATE_METRICS_KEY is set",
+                               type="permission_error", code="forbidden")
+        body = generate_latest(self._registry)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         self._authorize(headers)

@@ -217,9 +217,10 @@ async def test_reference_service_refuses_to_listen_open_beyond_loopback_and_read
     a traceback; ``bearer`` in lower case got 401."""
     import aiohttp
 
+    from gateway.http.server import is_loopback
     from neurons.reference.__main__ import main as reference_main
     from neurons.reference.protocol import AUDIT_PATH, encode_request
-    from neurons.reference.server import OpenReferenceRefused, is_loopback, start_reference_service
+    from neurons.reference.server import OpenReferenceRefused, start_reference_service
 
     for host in ("0.0.0.0", "::", "192.168.1.5", "gpu-box"):
         assert not is_loopback(host)

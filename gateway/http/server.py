@@ -53,6 +53,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import socket
@@ -177,6 +178,16 @@ class _Server(web.Server):
 
     def __call__(self) -> web.RequestHandler:
         return _Connection(self, self.clock, loop=asyncio.get_running_loop(), **self.handler_args)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine only (a host name may resolve to anything)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def connection_cap(requested: int, open_files: int | None) -> int:
@@ -314,6 +325,7 @@ class HttpServer:
             "method": request.method,
             "path": request.path,
             "raw_path": request.raw_path.partition("?")[0].encode("latin-1", "replace"),
+            "client": (request.remote or "", 0),
             "headers": [(k.lower(), val) for k, val in request.raw_headers],
         }
         state: dict[str, Any] = {"response": None, "start": None, "body_by": None}

@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import os
 
@@ -23,6 +22,7 @@ from aiohttp import web
 from loguru import logger
 
 from gateway.auth import bearer_token
+from gateway.http.server import is_loopback
 
 from .base import Reference
 from .protocol import AUDIT_PATH, KEY_ENV, BadAuditRequest, decode_request, verdict_to_json
@@ -74,16 +74,6 @@ def reference_app(reference: Reference, key: str | None = None) -> web.Applicati
 
 class OpenReferenceRefused(ValueError):
     """The service was asked to listen beyond loopback without a key."""
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) only listens on this machine."""
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
 
 
 async def start_reference_service(reference: Reference, *, host: str = "127.0.0.1", port: int = 0,

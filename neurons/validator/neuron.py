@@ -44,6 +44,7 @@ from ..reference.bands import describe
 from ..supervise import every, supervise
 from .config import ValidatorConfig
 from .corpus import stdlib_passages
+from .metrics import validator_families
 from .readiness import not_ready
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ class Validator:
             logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
                         self.cfg.state_dir)
         self.gateway.readiness = self.readiness
+        self.gateway.metrics.add(lambda: validator_families(self))
         await self.gateway.start()
         self._corpus_task = asyncio.create_task(self._load_corpus(), name="probe-corpus")
         params = await self.chain.params()
