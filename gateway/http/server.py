@@ -29,7 +29,8 @@ counts refusals it sees; these never reach it).
 Connections are capped (``max_connections``) and every one holds a deadline except while its request
 is served (:mod:`gateway.http.deadlines`): a head within ``header_timeout`` (10 s, the first one and each
 one after on a kept-alive connection), a body within ``body_timeout`` of when the app asks for it (408 and
-closed otherwise), idle between requests for at most ``keepalive_timeout``. At the cap the longest-idle
+closed otherwise), idle between requests for at most ``keepalive_timeout``, no write to the client pending
+for ``write_timeout`` (one watchdog a request checks every half of it). At the cap the longest-idle
 connection is closed to make room; with none idle, a new connection gets ``503`` with ``Retry-After`` and
 is closed at once, before anything is read, so a flood of sockets cannot use up the process's file
 descriptors (the miners' connections need them too: issue 15 saw ~1,020 idle sockets block every client
