@@ -397,3 +397,21 @@ async def test_a_keys_claim_on_its_day_is_in_the_state_file_before_its_request_i
     assert isinstance(refused, Refusal) and refused.limit == "tokens per day"
     await again.stop()
     await v.stop()
+
+
+def test_a_busy_gateway_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Issue 26: a busy port was a 30-line traceback."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "neurons.validator", "--local", "--local.rounds", "1",
+                              "--gateway.port", str(port), "--state-dir", str(tmp_path)],
+                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 2, out.stderr[-1000:]
+    assert f"ERROR   cannot listen on 127.0.0.1:{port}: the port is in use" in out.stderr
+    assert "Traceback" not in out.stderr

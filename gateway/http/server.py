@@ -54,6 +54,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import json
 import logging
@@ -95,10 +96,28 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
         sock.bind((host, port))
         sock.listen(backlog)
         sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise ListenError(host, port, e) from None
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+class ListenError(OSError):
+    """The gateway cannot listen where it was told to: one line for the operator, not a traceback."""
+
+    def __init__(self, host: str, port: int, cause: OSError) -> None:
+        why = {errno.EADDRINUSE: "the port is in use (another validator, or another service: pick --gateway.port)",
+               errno.EACCES: "permission denied (ports below 1024 need privileges)",
+               errno.EADDRNOTAVAIL: "no such address on this machine (check --gateway.host)"}.get(
+            cause.errno or 0, cause.strerror or str(cause))
+        super().__init__(cause.errno, f"cannot listen on {host}:{port}: {why}")
+        self.message = f"cannot listen on {host}:{port}: {why}"
+
+    def __str__(self) -> str:  # OSError's would start with "[Errno 98]"
+        return self.message
 
 
 # After refusing a request whose body it did not read (401, 408, 413), the server reads and drops what is still

@@ -102,6 +102,7 @@ async def _until_stopped(coro: Coroutine[Any, Any, int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point (``tensorgate-validator``)."""
     from gateway.auth import KeysFileError
+    from gateway.http.server import ListenError
     from scoring.profiles import ProfileError
     from scoring.store import StateError
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("stopped")
         return 0
     except (MissingKeyError, ChainSeamError, StateError, ModelUnavailable, ProfileError, CorruptChainState,
-            KeysFileError, BandsFileError) as e:
+            KeysFileError, BandsFileError, ListenError) as e:
         logger.error("{}", e)
         return 2
 
