@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import json
 import os
 import re
@@ -41,7 +40,7 @@ from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .asgi import BodyTimeout, ClientGone, Message, Receive, Scope, Send, send_json
-from .auth import ApiKeyAuth, bearer_token, load_keys
+from .auth import ApiKeyAuth, bearer_matches, load_keys
 from .http.server import HttpServer, is_loopback
 from .metrics import METRICS_KEY_ENV, GatewayCollector
 from .protocol.errors import (
@@ -316,7 +315,7 @@ class Gateway:
             reason: str | None = "the gateway is shutting down"
         elif self.readiness is not None:
             reason = self.readiness()
-        elif not any(not m.quarantined for m in self.router.miners()):
+        elif not self.router.routable():
             reason = "no miner is routable"
         else:
             reason = None
@@ -329,8 +328,7 @@ class Gateway:
         """Prometheus' text format. The operator's: a bearer key of its own, or loopback clients only."""
         key = self.config.metrics_key
         if key is not None:
-            given = bearer_token(headers.get("authorization")) or ""
-            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
+            if not bearer_matches(headers.get("authorization"), key):
                 raise unauthorized("/metrics needs the metrics key (TENSORGATE_METRICS_KEY)")
         elif not is_loopback((scope.get("client") or ("",))[0]):
             raise GatewayError(403, "/metrics is served to loopback clients only unless TENSORGATE_METRICS_KEY is set",

@@ -117,6 +117,13 @@ def bearer_token(authorization: str | None) -> str | None:
     return token.strip()
 
 
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """Whether ``Authorization`` carries ``key`` as its bearer token, in constant time; a header that is not UTF-8
+    (aiohttp hands it over with surrogates) is a wrong key, never an error."""
+    given = bearer_token(authorization) or ""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode())
+
+
 class ApiKeyAuth:
     """Checks bearer tokens against stored hashes in constant time (per stored hash).
 

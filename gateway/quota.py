@@ -182,8 +182,7 @@ class QuotaBook:
         u = self.usage.get(ticket.key)
         if policy.tpd is None or u is None or u.day != ticket.day or u.tokens <= u.recorded:
             return None
-        u.recorded = min(policy.tpd, u.tokens + max(1, policy.tpd // 20))
-        u.recorded = max(u.recorded, u.tokens)
+        u.recorded = max(u.tokens, min(policy.tpd, u.tokens + max(1, policy.tpd // 20)))
         return (ticket.key, u.day, u.requests, u.recorded)
 
     def snapshot(self) -> list[tuple[str, str, int, int]]:

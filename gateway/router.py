@@ -385,6 +385,10 @@ class Router:
     def total_in_flight(self) -> int:
         return sum(m.in_flight for m in self._miners.values())
 
+    def routable(self) -> int:
+        """Miners organic requests may go to (every one but the quarantined): what ``/ready`` needs above 0."""
+        return sum(1 for m in self._miners.values() if not m.quarantined)
+
     def __len__(self) -> int:
         return len(self._miners)
 

@@ -113,8 +113,8 @@ class ListenError(OSError):
                errno.EACCES: "permission denied (ports below 1024 need privileges)",
                errno.EADDRNOTAVAIL: "no such address on this machine (check --gateway.host)"}.get(
             cause.errno or 0, cause.strerror or str(cause))
-        super().__init__(cause.errno, f"cannot listen on {host}:{port}: {why}")
         self.message = f"cannot listen on {host}:{port}: {why}"
+        super().__init__(cause.errno, self.message)
 
     def __str__(self) -> str:  # OSError's would start with "[Errno 98]"
         return self.message

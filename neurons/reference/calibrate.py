@@ -30,26 +30,24 @@ from gateway.http.client import MinerClient
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
 from gateway.upstream import Upstream, UpstreamLimits
-from scoring.audit import AuditBands, Verdict, check_ids, force, judge
+from scoring.audit import AuditBands, Verdict
 from scoring.measurement import Answer, Measurement
 
 from ..keys import dev_keypair, load_hotkey
 from ..model.engine import EngineThread, LlamaEngine
 from ..model.packaged import ModelUnavailable, model_path
 from .bands import HonestSpread, bands_from, describe, save_bands
+from .llama import replay_scored
 
 
 def spread_of(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> tuple[list[float], Verdict] | None:
     """On the reference's thread: each determined position's gap and the verdict (None: too long to replay)."""
-    checked = check_ids(answer, vocab_size=engine.vocab_size, piece=engine.piece, stop_ids=engine.stop_ids)
-    if isinstance(checked, Verdict):
-        return [], checked
-    prompt = engine.prompt_ids(answer.messages)
-    if len(prompt) + len(checked.ids) + 1 > engine.n_ctx:
+    scored = replay_scored(engine, answer, bands)
+    if scored is None:
         return None
-    scores = force(engine.forced_logits(prompt, checked.ids), checked.ids, answer.sampling, engine.stop_ids)
+    verdict, scores = scored
     determined = answer.sampling.greedy or answer.sampling.seeded
-    return ([float(g) for g in scores.gap] if determined else []), judge(answer, checked, scores, bands)
+    return ([float(g) for g in scores.gap] if scores is not None and determined else []), verdict
 
 
 def _model_file(name: str) -> Path:

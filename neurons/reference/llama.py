@@ -27,7 +27,7 @@ from pathlib import Path
 
 from neurons.model.engine import EngineThread, LlamaEngine
 from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
-from scoring.audit import AuditBands, Verdict, check_ids, force, judge
+from scoring.audit import AuditBands, ForcedScores, Verdict, check_ids, force, judge
 from scoring.measurement import Answer
 
 
@@ -60,12 +60,20 @@ class LlamaReference:
 
 def replay(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> Verdict | None:
     """On the reference's thread: structure, then teacher forcing, then the verdict."""
+    scored = replay_scored(engine, answer, bands)
+    return None if scored is None else scored[0]
+
+
+def replay_scored(engine: LlamaEngine, answer: Answer, bands: AuditBands
+                  ) -> tuple[Verdict, ForcedScores | None] | None:
+    """:func:`replay`'s verdict with the per-position scores it was judged on (None when the answer failed its
+    structure before any forcing), for the calibration that measures honest gaps; None: too long to replay."""
     checked = check_ids(answer, vocab_size=engine.vocab_size, piece=engine.piece, stop_ids=engine.stop_ids)
     if isinstance(checked, Verdict):
-        return checked
+        return checked, None
     prompt = engine.prompt_ids(answer.messages)
     if len(prompt) + len(checked.ids) + 1 > engine.n_ctx:
         return None
-    rows = engine.forced_logits(prompt, checked.ids)
-    verdict = judge(answer, checked, force(rows, checked.ids, answer.sampling, engine.stop_ids), bands)
-    return dataclasses.replace(verdict, prompt_tokens=len(prompt))
+    scores = force(engine.forced_logits(prompt, checked.ids), checked.ids, answer.sampling, engine.stop_ids)
+    verdict = judge(answer, checked, scores, bands)
+    return dataclasses.replace(verdict, prompt_tokens=len(prompt)), scores

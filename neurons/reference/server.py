@@ -14,14 +14,13 @@ Example::
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 
 from aiohttp import web
 from loguru import logger
 
-from gateway.auth import bearer_token
+from gateway.auth import bearer_matches
 from gateway.http.server import is_loopback
 
 from .base import Reference
@@ -51,8 +50,7 @@ def reference_app(reference: Reference, key: str | None = None) -> web.Applicati
 
     async def audit(request: web.Request) -> web.Response:
         if key is not None:
-            given = bearer_token(request.headers.get("Authorization")) or ""
-            if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode()):
+            if not bearer_matches(request.headers.get("Authorization"), key):
                 return _error(401, "missing or wrong bearer key")
         try:
             answer, bands = decode_request(json.loads(await request.read()))

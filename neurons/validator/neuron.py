@@ -234,7 +234,7 @@ class Validator:
         """Why the validator should not be sent traffic now, or None (``/ready``)."""
         age = None if self._synced_at is None else time.monotonic() - self._synced_at
         auditor = self.auditor
-        return not_ready(routable=sum(1 for m in self.router.miners() if not m.quarantined), metagraph_age_s=age,
+        return not_ready(routable=self.router.routable(), metagraph_age_s=age,
                          max_age_s=self._max_metagraph_age_s,
                          reference_errors=auditor.reference_errors if auditor is not None else 0,
                          reference_error=auditor.reference_error if auditor is not None else "")
