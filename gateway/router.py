@@ -70,6 +70,7 @@ class MinerState:
     served: int = 0
     passes: float = 0.0  # stride-scheduling pass: grows by 1/score per dispatch
     quarantined: bool = False  # failed its audits: out of organic routing, reachable by probes only
+    declares_sampler: bool = False  # its last answer declared the subnet's sampler (Upstream.learn_sampler)
     bucket_load: float = field(default=0.0, repr=False)  # the router's bookkeeping: the load bucket it sits in
 
     @property

@@ -37,7 +37,7 @@ import secrets
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -49,7 +49,16 @@ from scoring.measurement import Answer, FailureReason, Measurement, MeasurementS
 from .http.client import MinerClient
 from .metering import AnswerBudget, MeterFailure, StreamMeter
 from .protocol.errors import CLIENT_FAULT_CODES
-from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens
+from .protocol.openai import (
+    CHAT_PATH,
+    DEFAULT_MAX_TOKENS,
+    SAMPLER_HEADER,
+    SLOTS_HEADER,
+    SUBNET_SAMPLER,
+    encode_body,
+    miner_body,
+    requested_max_tokens,
+)
 from .protocol.sampling import SamplingParams, wire_seed
 from .protocol.signing import RequestSigner
 from .protocol.sse import ChunkInfo
@@ -206,6 +215,12 @@ class Upstream:
         assert stream.measurement is not None
         return stream.measurement
 
+    @staticmethod
+    def learn_sampler(miner: MinerState, declared: str | None) -> None:
+        """What an answer's ``X-Miner-Sampler`` said, for the requests dispatched from now on (never the one it came
+        on: its audit and pay were fixed at dispatch, so a miner cannot declare per answer)."""
+        miner.declares_sampler = declared == SUBNET_SAMPLER
+
     def record(self, m: Measurement) -> None:
         st = self.stats.get(m.uid)
         if st is None:
@@ -279,7 +294,11 @@ class UpstreamStream:
         seed = wire_seed(payload.get("seed"), upstream.seed_key, secrets.randbits(64)) \
             if limits.seeded_sampling else None
         body = miner_body(payload, self.max_tokens, seed)
-        self.sampling = SamplingParams.of(body)  # what the miner was asked for, the wire seed included
+        # What the miner was asked for. Every miner gets the seed (so a seed marks no traffic, and a stock runtime
+        # honours a client's seed with its own RNG), but only one that declared the subnet's sampler draws with it:
+        # the others' sampled answers are free draws (no seed here), audited for plausibility and not paid.
+        sampling = SamplingParams.of(body)
+        self.sampling = sampling if lease.miner.declares_sampler else replace(sampling, seed=None)
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))
         self._body = encode_body(body)
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,
@@ -357,6 +376,7 @@ class UpstreamStream:
             finish_reason=meter.finish_reason if failure is None else None,
             slots=self.lease.slots_at_dispatch,
             capacity_check=self.capacity_check,
+            free_draw=not self.sampling.greedy and self.sampling.seed is None,
         )
         self.measurement = m
         meter.release()
@@ -463,6 +483,7 @@ class UpstreamStream:
         encoding = resp.headers.get("Content-Encoding", "identity").strip().lower()
         if encoding != "identity":
             raise self._fail(FailureReason.GARBAGE, status=200, detail=f"content encoding {encoding!r}")
+        self._up.learn_sampler(self.lease.miner, resp.headers.get(SAMPLER_HEADER))
         self._resp = resp
 
 

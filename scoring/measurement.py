@@ -112,6 +112,7 @@ class Measurement:
     finish_reason: str | None = None  # the miner's, for complete answers: "stop" before max_tokens is an early stop
     slots: int = 1  # streams the miner declared it serves this validator at once, as known at dispatch
     capacity_check: bool = False  # a probe of the round's capacity check: every miner's slots filled at once
+    free_draw: bool = False  # sampled, by a miner that declared no subnet sampler: plausibility only, not paid
 
     @property
     def stopped_early(self) -> bool:

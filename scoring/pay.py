@@ -21,6 +21,15 @@ Why this shape, against what miners were seen doing (issue 14):
 * An answer that stops before ``max_tokens`` is paid only when an audit confirmed the model chose to
   stop there (when the validator audits at all): two tokens and ``stop`` is otherwise worth 0, and an
   audited early stop that the model would have continued fails its audit.
+* A **free draw** is not paid (where the validator audits): a sampled answer from a miner that did not declare the
+  subnet's sampler (a stock runtime drawing with its own RNG) can only be judged plausible, and plausibility
+  misses the cheats that matter. Measured on Gemma 3 270M (``scripts/bench_audit.py --free-sampling``, issue 25),
+  the plausibility rule caught per answer: cached answers 65 %, a truncated prompt 48 %, always-greedy 0 %, and
+  it adds no evidence to the per-miner sequential test that catches a requantized model. Paid "in proportion to
+  what the rule can detect" means paid at its weakest cheat's rate, 0: such a miner is paid for what can be
+  checked exactly (its greedy answers, and every answer once it runs the sampler: the vLLM plugin,
+  :mod:`neurons.miner.vllm`). So declaring no sampler never pays more than running it, and declaring it
+  without running it fails the audits (``wrong_tokens``).
 * A prompt is paid at prefill speed, which is the work it takes; a long prompt answered fast earns no
   more than that, and never more than the time to first token shows was spent: an answer that comes
   before the prompt could have been read was not computed now (issue 23: a miner whose owner sent it
@@ -77,8 +86,11 @@ def peak_decode_rate(cfg: CreditConfig) -> float:
 
 
 def paid_tokens(m: Measurement, *, audits: bool) -> int:
-    """Output tokens of ``m`` that are paid: none for probes, failures, or an early stop no audit confirmed."""
+    """Output tokens of ``m`` that are paid: none for probes, failures, an early stop no audit confirmed, or (where
+    the validator audits) a free draw."""
     if m.probe or not m.ok:
+        return 0
+    if audits and m.free_draw:
         return 0
     if audits and m.stopped_early and not m.audited:
         return 0

@@ -69,6 +69,7 @@ class MinerRound:
     probes: int = 0
     organic: int = 0
     audited: int = 0  # answers teacher-forced on the reference (failed ones also count in failures)
+    free_draws: int = 0  # sampled answers from a miner that declared no subnet sampler (not paid where audited)
     ttft_samples: list[float] = field(default_factory=list)  # successful requests only
     failures: Counter[str] = field(default_factory=Counter)
 
@@ -131,6 +132,8 @@ class RoundAccumulator:
             row.probes += 1
         else:
             row.organic += 1
+        if m.free_draw:
+            row.free_draws += 1
         if m.audited:
             row.audited += 1
             if m.ok and not m.probe:  # a probe passing says nothing of how users are served

@@ -78,6 +78,7 @@ class MinerReport:
     value: float = 0.0  # this round's value (card-equivalents)
     settled_value: float = 0.0  # trailing-window value after this round: what weights follow
     capacity: float = 1.0  # routing multiplier from the capacity checks (scoring.capacity)
+    free_draws: int = 0  # sampled answers drawn without the subnet's sampler (the miner declared none): not paid
 
     @property
     def audit_passed(self) -> int:
@@ -105,12 +106,13 @@ class RoundReport:
         ``credit``/``settled``: quality this round and over the window (routing follows it); ``cards``: the
         capacity multiplier of routing (:mod:`scoring.capacity`); ``work_s``: paid
         card-seconds this round; ``value``: settled card-equivalents (weights follow it); ``audit``:
-        passed/audited answers this round; ``Q`` marks a quarantined miner.
+        passed/audited answers this round; ``Q`` marks a quarantined miner; ``free``: sampled answers drawn without
+        the subnet's sampler (the miner declared none), audited for plausibility only and not paid.
         """
         w = weights or {}
         head = f"{'uid':>5} {'hotkey':<12} {'req':>5} {'meas':>5} {'ttft50':>7} {'ttft95':>7} " \
                f"{'credit':>6} {'settled':>7} {'cards':>5} {'work_s':>7} {'value':>7} {'weight':>6} " \
-               f"{'audit':>7}  failures"
+               f"{'audit':>7} {'free':>5}  failures"
         lines = [f"round {self.index}: {len(self.rows)} miners", head]
         for r in sorted(self.rows, key=lambda r: (r.uid, r.hotkey)):
             fails = ",".join(f"{k}={v}" for k, v in sorted(r.failures.items())) or "-"
@@ -119,7 +121,7 @@ class RoundReport:
             lines.append(
                 f"{r.uid:>5} {_short(r.hotkey):<12} {r.requests:>5} {r.measured:>5} {_secs(r.ttft_p50):>7} "
                 f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {r.capacity:5.2f} {r.work_s:7.2f} "
-                f"{r.settled_value:7.4f} {weight} {audit:>7}  {fails}"
+                f"{r.settled_value:7.4f} {weight} {audit:>7} {r.free_draws:>5}  {fails}"
             )
         if self.dropped:
             lines.append(f"({self.dropped} measurements could not be recorded)")
@@ -252,7 +254,7 @@ class Scorer:
             pay = pays[hk]
             rows.append(MinerReport(uid, hk, row.requests, row.measured, p50, p95, row.score, settled[hk],
                                     dict(row.failures), row.probes, row.organic, row.audited, row.work_s, pay.total,
-                                    sv, self.capacity.multiplier(hk)))
+                                    sv, self.capacity.multiplier(hk), row.free_draws))
             stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
                                       dict(row.failures), work_s=row.work_s, value=pay.verified,
                                       unverified=pay.unverified, audits_passed=pay.passed, audits_failed=pay.failed,

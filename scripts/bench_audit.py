@@ -132,7 +132,7 @@ async def run(args: argparse.Namespace) -> int:
             engine = engines.get(kind, miner)
             answer, gen_s = await engine.run(_generate, payload, random.Random(draw), kind, fn)
             twin = False
-            if kind != "honest" and (answer.sampling.greedy or answer.sampling.seeded):
+            if kind != "honest":  # free draws too: the same RNG draws the honest answer (own-rng under --free-sampling)
                 honest, _ = await miner.run(_generate, payload, random.Random(draw), "honest", None)
                 twin = (honest.token_ids, honest.finish_reason) == (answer.token_ids, answer.finish_reason)
             await queue.put(Case(kind, answer, gen_s, honest_twin=twin))

@@ -50,6 +50,23 @@ def test_probes_failures_and_unconfirmed_early_stops_are_not_paid() -> None:
     assert paid_tokens(answer(tokens=80, max_tokens=64), audits=True) == 64  # never past max_tokens
 
 
+def test_free_draws_are_not_paid_where_the_validator_audits() -> None:
+    """A sampled answer from a miner that declared no subnet sampler can only be judged plausible: unpaid (issue 25).
+    Declaring none never earns more than running the sampler: the same traffic, half greedy, pays half."""
+    free = dataclasses.replace(answer(), free_draw=True)
+    assert paid_tokens(free, audits=True) == 0
+    assert paid_tokens(free, audits=False) == 64  # no reference: nothing is checked, everything paid as measured
+    declared, undeclared = RoundAccumulator(CFG, audits=True), RoundAccumulator(CFG, audits=True)
+    for i in range(20):
+        sampled = i % 2 == 0  # greedy answers are determined whatever the sampler: never free draws
+        declared.add(answer("a", audited=True))
+        undeclared.add(dataclasses.replace(answer("b", audited=True), free_draw=sampled))
+    a, b = declared.miners["a"], undeclared.miners["b"]
+    assert b.free_draws == 10 and a.free_draws == 0
+    assert b.work_s == pytest.approx(a.work_s / 2)
+    assert a.score == b.score  # quality is judged the same: only what is paid differs
+
+
 def test_round_value_is_work_times_quality_per_round_second() -> None:
     assert round_value(30.0, 0.5, 60.0) == pytest.approx(0.25)
     assert round_value(30.0, 1.7, 60.0) == pytest.approx(0.5)  # quality is a credit: at most 1

@@ -126,11 +126,12 @@ def test_honest_seeded_answers_pass_token_by_token(engine: LlamaEngine, referenc
         assert v.tokens == len(a.token_ids or ()) > 0 and v.miss_share == 0.0
 
 
-@pytest.mark.parametrize("cheat", ["random", "stop-early", "cached", "hot", "truncated", "greedy"])
+@pytest.mark.parametrize("cheat", ["random", "stop-early", "cached", "hot", "truncated", "greedy", "own-rng"])
 def test_every_cheat_fails_its_seeded_sampled_audits(engine: LlamaEngine, reference: LlamaEngine,
                                                      cheat: str) -> None:
     """The sampler's seed makes a sampled answer checkable token by token: no cheat passes, not even
-    greedy decoding where sampling was asked (which a plausibility test cannot see)."""
+    greedy decoding where sampling was asked (which a plausibility test cannot see), nor an honest draw with the
+    miner's own RNG (a stock runtime that declares the sampler without running it)."""
     for i, messages in enumerate(PROMPTS):
         a = _answer(engine, messages, temperature=0.8, max_tokens=32, seed=i, cheat=cheat, sampler_seed=20 + i)
         honest = _answer(engine, messages, temperature=0.8, max_tokens=32, sampler_seed=20 + i)

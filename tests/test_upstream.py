@@ -12,6 +12,7 @@ import pytest
 from bittensor.sp_core import Keypair
 
 from gateway.http.client import MinerClient
+from gateway.protocol.openai import SUBNET_SAMPLER
 from gateway.protocol.sampling import is_seed
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
@@ -256,10 +257,33 @@ async def test_client_seed_is_keyed_not_forwarded(make_miner, make_gateway):
     sent = [b["seed"] for b in m.bodies]
     assert all(is_seed(s) for s in sent)
     assert sent[0] == sent[1] and sent[4] == sent[5] and len(set(sent)) == 4 and 7 not in sent and 8 not in sent
-    assert [x.answer.sampling.seed for x in h.measurements() if x.answer is not None] == sent
+    # the first answer went out before the miner declared the subnet's sampler: a free draw, audited without seed
+    assert [x.answer.sampling.seed for x in h.measurements() if x.answer is not None] == [None, *sent[1:]]
+    assert [x.free_draw for x in h.measurements()] == [True] + [False] * 5
 
 
-async def test_free_sampling_forwards_the_clients_seed_only(make_miner, make_gateway):
+@pytest.mark.parametrize("declared", [SUBNET_SAMPLER, None, "tensorgate-gumbel/0"])
+async def test_only_a_miner_that_declares_the_subnet_sampler_has_its_sampled_answers_seeded(
+        make_miner, make_gateway, declared):
+    """Every miner gets a seed; a sampled answer is audited with it (and paid) only when the miner's previous
+    answer declared the subnet's sampler. Greedy answers are determined either way: never free draws."""
+    m = await make_miner(Script("ok", tokens=2))
+    m.sampler = declared
+    h = await make_gateway([m])
+    h.upstream.limits = dataclasses.replace(h.upstream.limits, keep_answers=True)
+    for temperature in (0.7, 0.7, 0.0, 0.7):
+        async with h.chat(body(stream=False, max_tokens=2, temperature=temperature)) as r:
+            assert r.status == 200
+    assert all(is_seed(b.get("seed")) for b in m.bodies)
+    got = h.measurements()
+    seeded = declared == SUBNET_SAMPLER
+    assert [x.free_draw for x in got] == [True, not seeded, False, not seeded]
+    assert [x.answer is not None and x.answer.sampling.seeded for x in got] == [False, seeded, False, seeded]
+    miner = h.router.get(1)
+    assert miner is not None and miner.declares_sampler is seeded
+
+
+async def test_unseeded_limits_forward_the_clients_seed_only(make_miner, make_gateway):
     m = await make_miner(Script("ok", tokens=2))
     h = await make_gateway([m])
     h.upstream.limits = dataclasses.replace(h.upstream.limits, seeded_sampling=False)

@@ -33,6 +33,11 @@ DEFAULT_MAX_TOKENS = 256  # completion length when a request names none
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once, not per request
 CHAT_PATH = "/v1/chat/completions"  # the one route, on the gateway and on every miner
 SLOTS_HEADER = "X-Miner-Slots"  # streams a miner serves each validator at once, on every answer and 429
+# The sampler a miner's runtime draws sampled tokens with, on every answer: SUBNET_SAMPLER (the subnet's seeded
+# sampler, gateway.protocol.sampling) or anything else / absent (its own RNG: a free draw, audited for plausibility
+# only and not paid; scoring.pay). Versioned, so a change of the sampler's spec is a new name.
+SAMPLER_HEADER = "X-Miner-Sampler"
+SUBNET_SAMPLER = "tensorgate-gumbel/1"
 
 
 @dataclass(frozen=True, slots=True)

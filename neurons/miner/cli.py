@@ -17,6 +17,8 @@ import sys
 import aiohttp
 from loguru import logger
 
+from gateway.protocol.openai import SUBNET_SAMPLER
+
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
 from ..supervise import until_stop_signal
 from .runtimes.base import Runtime
@@ -43,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="OpenAI-compatible runtime to relay to (vLLM, SGLang, llama-server), e.g. http://127.0.0.1:8001")
     p.add_argument("--runtime.model", dest="runtime_model", default=None,
                    help="model name to put in requests to the runtime (default: keep the caller's)")
+    p.add_argument("--runtime.sampler", dest="runtime_sampler", choices=("subnet", "own"), default="own",
+                   help="with --runtime.url: 'subnet' when the runtime is a vLLM started with the subnet's sampler "
+                        "plugin (README, 'Miners on vLLM'): sampled answers are then audited token by token and "
+                        "paid; 'own' (default): the runtime's own RNG, whose sampled answers validators do not pay")
     p.add_argument("--runtime.gguf", dest="runtime_gguf", default=None, metavar="PATH|packaged",
                    help="serve a GGUF model in process on llama.cpp (needs '.[real]'): 'packaged' is the subnet's "
                         "Gemma 3 270M; each slot gets its own context and --runtime.threads threads")
@@ -104,7 +110,8 @@ async def _run(args: argparse.Namespace) -> int:
             from .runtimes.proxy import ProxyRuntime
 
             session = await stack.enter_async_context(aiohttp.ClientSession())
-            proxy = ProxyRuntime(args.runtime_url, session, model=args.runtime_model)
+            proxy = ProxyRuntime(args.runtime_url, session, model=args.runtime_model,
+                                 sampler=SUBNET_SAMPLER if args.runtime_sampler == "subnet" else None)
             await proxy.start()
             if not proxy.health().ok:
                 logger.warning("runtime {}: {} (serving anyway; /health says so)", args.runtime_url,

@@ -33,7 +33,7 @@ import bittensor as bt
 from aiohttp import web
 
 from gateway.protocol.errors import error_body
-from gateway.protocol.openai import CHAT_PATH, SLOTS_HEADER, requested_max_tokens
+from gateway.protocol.openai import CHAT_PATH, SAMPLER_HEADER, SLOTS_HEADER, SUBNET_SAMPLER, requested_max_tokens
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 
 BEHAVIORS = (
@@ -110,6 +110,7 @@ class FakeMiner:
         self.trusted = frozenset(trusted)
         self.script = script or Script()
         self.slots = slots
+        self.sampler: str | None = SUBNET_SAMPLER  # declared on answers (SAMPLER_HEADER); None: declares none
         self.tag = tag
         self.allow_unsigned = allow_unsigned
         self.keep_bodies = keep_bodies
@@ -233,6 +234,8 @@ class FakeMiner:
         await until(s.headers_delay)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            SLOTS_HEADER: str(self.slots)})
+        if self.sampler:
+            resp.headers[SAMPLER_HEADER] = self.sampler
         if s.behavior == "gzip":
             resp.headers["Content-Encoding"] = "gzip"
         elif s.behavior == "not_sse":

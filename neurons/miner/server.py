@@ -32,7 +32,7 @@ from aiohttp import web
 from loguru import logger
 
 from gateway.protocol.errors import error_body
-from gateway.protocol.openai import CHAT_PATH, SLOTS_HEADER
+from gateway.protocol.openai import CHAT_PATH, SAMPLER_HEADER, SLOTS_HEADER
 from gateway.protocol.sse import DONE_FRAME, frame
 
 from .runtimes.base import Runtime, RuntimeFailure
@@ -109,6 +109,7 @@ class MinerServer:
         h = self.runtime.health()
         return web.json_response({"status": "ok" if h.ok else "down", "hotkey": self.hotkey, "slots": self.slots,
                                   "contexts": self.contexts, "busy": self.busy, "runtime": self.runtime.name,
+                                  "sampler": self.runtime.sampler or "own",
                                   "runtime_state": h.detail}, status=200 if h.ok else 503)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
@@ -177,8 +178,10 @@ class MinerServer:
             except Exception:
                 logger.exception("runtime failed before the first byte")
                 return error_response(500, "runtime error", type="server_error", code="runtime_error")
-            resp = web.StreamResponse(status=200, headers={
-                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", SLOTS_HEADER: str(self.slots)})
+            headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", SLOTS_HEADER: str(self.slots)}
+            if self.runtime.sampler:
+                headers[SAMPLER_HEADER] = self.runtime.sampler
+            resp = web.StreamResponse(status=200, headers=headers)
             try:
                 await resp.prepare(request)
                 if DONE_FRAME in first:

@@ -109,7 +109,7 @@ def build_parts(
     measurements = MeasurementQueue()
     if reference is None and (cfg.audit_model != "none" or cfg.audit_url):
         reference = _reference(cfg)
-    limits = UpstreamLimits(keep_answers=reference is not None, seeded_sampling=not cfg.free_sampling)
+    limits = UpstreamLimits(keep_answers=reference is not None)
     upstream = Upstream(client, RequestSigner(keypair), sink if sink is not None else measurements,
                         timeouts=timeouts, limits=limits)
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)

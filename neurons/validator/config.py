@@ -46,7 +46,6 @@ class ValidatorConfig:
     max_retries: int = 2
     first_byte_budget_s: float = 30.0  # a client's whole wait for a first byte, retries included
     drain_s: float = 5.0  # on a stop (SIGTERM, Ctrl-C): how long streams in progress may take to finish
-    free_sampling: bool = False  # send no sampler seed: sampled answers audited by plausibility only
     max_connections: int = 2048  # client connections at once (each is a file descriptor)
     # How limited API keys' prompts are counted: "auto" (the in-process reference's GGUF tokenizer, else the
     # estimate), "estimate" (4 characters a token), or a GGUF file whose tokenizer counts them.
@@ -120,9 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "digits, emoji and CJK up to 4x) | path to a GGUF file of the subnet's model")
     gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
                     help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
-    gw.add_argument("--gateway.free-sampling", dest="free_sampling", action="store_true",
-                    help="do not send the subnet sampler's seed: for miners on stock runtimes; sampled answers "
-                         "are then audited for plausibility only, which misses many substitutions (README)")
     sc = p.add_argument_group("scoring and weights")
     sc.add_argument("--state-dir", dest="state_dir", type=Path, default=d.state_dir, help="where state lives")
     sc.add_argument("--round.seconds", dest="round_s", type=float, default=d.round_s, help="scoring round length")
@@ -203,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="register an external miner (host:port) on the local chain (repeatable); the banner "
                          "prints the validator hotkey it must --allow")
     lo.add_argument("--local.cheat", dest="local_cheats", action="append", default=[],
-                    choices=("random", "stop-early", "cached", "hot", "greedy", "truncated"),
+                    choices=("random", "stop-early", "cached", "hot", "greedy", "truncated", "own-rng"),
                     help="real mode: add a cheating miner of this kind (repeatable), to watch the audit catch it")
     p.add_argument("--seed", type=int, default=None, help="seed the router, probes and traffic (reproducible runs)")
     p.add_argument("--log-level", dest="log_level", default=d.log_level, help="DEBUG | INFO | WARNING")

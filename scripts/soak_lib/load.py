@@ -53,6 +53,7 @@ class CardRuntime:
         self._base = dataclasses.replace(profile, time_scale=scale)
         self.inner = SimulatedRuntime(self._base, rng=rng)
         self.name = self.inner.name
+        self.sampler = self.inner.sampler
         self._n = 0
         self._u = 0.0
         self._t: float | None = None
@@ -150,6 +151,7 @@ class MultiCardRuntime:
             raise ValueError("a multi-card runtime needs at least one card")
         self.cards = list(cards)
         self.name = f"sim:{len(self.cards)}x{self.cards[0].profile.name}"
+        self.sampler = self.cards[0].sampler
 
     @property
     def active(self) -> int:

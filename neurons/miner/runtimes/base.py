@@ -41,6 +41,9 @@ class Runtime(Protocol):
     """What the miner needs from an inference backend (simulated or a proxied vLLM/SGLang/llama-server)."""
 
     name: str
+    # The sampler sampled tokens are drawn with, declared to validators on every answer (SAMPLER_HEADER):
+    # gateway.protocol.openai.SUBNET_SAMPLER, or None for the runtime's own RNG (free draws, not paid).
+    sampler: str | None
 
     @property
     def active(self) -> int: ...

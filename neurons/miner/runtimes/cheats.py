@@ -13,6 +13,8 @@ or with a cheaper setting of it, would try:
 * ``greedy``: always greedy decoding, whatever temperature was asked (cheaper and steadier);
 * ``truncated``: the model's answer to the last message alone, its first third cut (drops the
   system prompt and history: less prefill).
+* ``own-rng``: the model's honest draw from the asked distribution with its own RNG, the seed ignored, while
+  the miner declares the subnet's sampler: a stock vLLM claiming the plugin, to be paid for free draws.
 
 Subtler ones, for the sequential test (``scripts/bench_audit.py``; not in :data:`CHEATS`, which every
 audit must catch answer by answer): :func:`warm` (the temperature 0.1 too high) and :func:`requantized`
@@ -122,6 +124,13 @@ def warm(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, s
     return decode(engine, engine.prompt_ids(messages), max_tokens, shifted, rng, cancel, put)
 
 
+def own_rng(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+            rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    """The asked distribution drawn with the miner's own RNG: what a stock runtime does with a seed."""
+    unseeded = dataclasses.replace(sampling, seed=None)
+    return decode(engine, engine.prompt_ids(messages), max_tokens, unseeded, rng, cancel, put)
+
+
 CHEATS: dict[str, Generate] = {
     "random": random_tokens,
     "stop-early": stop_early,
@@ -129,4 +138,5 @@ CHEATS: dict[str, Generate] = {
     "hot": hot,
     "greedy": greedy,
     "truncated": truncated,
+    "own-rng": own_rng,
 }

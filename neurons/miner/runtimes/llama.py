@@ -33,7 +33,7 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.protocol.openai import requested_max_tokens
+from gateway.protocol.openai import SUBNET_SAMPLER, requested_max_tokens
 from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from neurons.model.engine import ContextOverflow, EngineThread, LlamaEngine
@@ -52,6 +52,7 @@ class LlamaRuntime:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.name = f"llama.cpp:{model}"
+        self.sampler: str | None = SUBNET_SAMPLER  # seeded requests are drawn with it (LlamaEngine.choose)
         self.model = model
         self._path = path
         self._slots = slots

@@ -39,7 +39,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.protocol.openai import requested_max_tokens
+from gateway.protocol.openai import SUBNET_SAMPLER, requested_max_tokens
 from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from gateway.protocol.tokens import estimate_prompt_tokens
@@ -162,6 +162,9 @@ class SimulatedRuntime:
     def __init__(self, profile: CardProfile, rng: random.Random | None = None) -> None:
         self.profile = profile
         self.name = f"sim:{profile.name}"
+        # A simulated card stands for a card that runs the subnet's sampler; the toy model behind it can only be
+        # audited for plausibility (neurons.reference.toy), which is the toy reference's limit, not the card's.
+        self.sampler: str | None = SUBNET_SAMPLER
         self._rng = rng if rng is not None else random.Random()
         self._active = 0
         self._prefill_free_at = 0.0  # loop time when the card's prefill queue drains
