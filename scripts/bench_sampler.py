@@ -8,6 +8,11 @@ repetition, once with each sampler, interleaved so background load hits both ali
 tokens/s of the whole decode loop, the sampler's own milliseconds a token, and (pruned) the share of the
 262k vocabulary hashed. Every token both samplers pick is compared: the run fails if any differs.
 
+Where torch is installed (the ``plugin`` extra), the vLLM plugin's sampler (``neurons.miner.vllm_plugin.sampler``)
+is timed on rows of the same logits, on this CPU, one row a call as a single stream would: pruned (shipped)
+against every token hashed, per temperature, and its tokens compared with the spec's. A GPU's figures differ
+(no GPU here); the share hashed does not.
+
 Example::
 
     .venv/bin/python scripts/bench_sampler.py --smoke        # seconds
@@ -69,9 +74,13 @@ def full_token(row: np.ndarray, sampling: SamplingParams, position: int) -> int:
     return int(np.argmax(score))
 
 
-def decode(engine: LlamaEngine, prompt: str, sampling: SamplingParams, tokens: int, pruned: bool
-           ) -> tuple[list[int], float, float, list[float]]:
-    """(ids, wall seconds of the decode loop, seconds in the sampler, share hashed per token)."""
+Row = tuple[np.ndarray, SamplingParams, int]  # logits, sampling, position: kept for the plugin's timing
+
+
+def decode(engine: LlamaEngine, prompt: str, sampling: SamplingParams, tokens: int, pruned: bool,
+           keep: list[Row] | None = None) -> tuple[list[int], float, float, list[float]]:
+    """(ids, wall seconds of the decode loop, seconds in the sampler, share hashed per token); every 8th row of
+    logits appended to ``keep``."""
     ids = engine.prompt_ids([{"role": "user", "content": prompt}])
     engine.begin(ids)
     out: list[int] = []
@@ -93,6 +102,8 @@ def decode(engine: LlamaEngine, prompt: str, sampling: SamplingParams, tokens: i
             engine.push(token)
         wall += time.perf_counter() - t0
         out.append(token)
+        if keep is not None and position % 8 == 0:
+            keep.append((np.array(row, dtype=np.float32), sampling, position))
         if pruned:  # untimed: how much of the vocabulary the pruned sampler hashed
             assert sampling.seed is not None
             hashed, _ = contenders(np.asarray(row, dtype=np.float64) / sampling.temperature, sampling.seed, position)
@@ -116,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     shares: list[float] = []
     by_temp: dict[tuple[bool, float], list[float]] = {}  # (shipped, temperature) -> [sampler s, tokens, shares]
     differ = 0
+    kept: list[Row] = []
     for rep in range(args.repeat):
         for prompt in PROMPTS:
             sampling = SamplingParams(rng.choice([0.3, 0.7, 1.0]), rng.choice([1.0, 0.95]), seed=rng.getrandbits(62))
             picked: dict[bool, list[int]] = {}
             for pruned in ((False, True) if rep % 2 == 0 else (True, False)):
-                ids, w, s, sh = decode(engine, prompt, sampling, args.tokens, pruned)
+                ids, w, s, sh = decode(engine, prompt, sampling, args.tokens, pruned, kept if pruned else None)
                 acc = by_temp.setdefault((pruned, sampling.temperature), [0.0, 0.0, 0.0])
                 acc[0] += s
                 acc[1] += len(ids)
@@ -147,7 +159,44 @@ def main(argv: list[str] | None = None) -> int:
                   f"{100 * by_temp[(True, t)][2] / by_temp[(True, t)][1]:.1f} %"] for t in temps
                  if (False, t) in by_temp and (True, t) in by_temp]))
     print(f"tokens that differ between the two samplers: {differ} of {counted[True]}")
-    return 1 if differ else 0
+    return 1 if differ or plugin_report(kept) else 0
+
+
+def plugin_report(rows: list[Row]) -> int:
+    """The vLLM plugin's sampler on these rows, pruned against full hashing; returns how many tokens differ from
+    the spec's (0 when torch is not installed: nothing to report)."""
+    try:
+        import torch
+
+        from neurons.miner.vllm_plugin.sampler import row_base, subnet_tokens
+    except ImportError:
+        print("\n(torch not installed: the vLLM plugin's sampler was not timed; install '.[plugin]')")
+        return 0
+    torch.set_num_threads(1)
+    by_temp: dict[float, list[float]] = {}  # temperature -> [full s, pruned s, rows]
+    differ = 0
+    for row, sampling, position in rows:
+        assert sampling.seed is not None
+        logits = torch.from_numpy(row).unsqueeze(0)
+        t, p = torch.tensor([sampling.temperature]), torch.tensor([sampling.top_p])
+        base = torch.tensor([row_base(sampling.seed, position)])
+        t0 = time.perf_counter()
+        token = int(subnet_tokens(logits, t, p, base)[0])
+        t1 = time.perf_counter()
+        full = int(subnet_tokens(logits, t, p, base, prune=False)[0])
+        t2 = time.perf_counter()
+        acc = by_temp.setdefault(sampling.temperature, [0.0, 0.0, 0.0])
+        acc[0] += t2 - t1
+        acc[1] += t1 - t0
+        acc[2] += 1
+        differ += (token != seeded_token(row, sampling, position)) + (full != token)
+    print()
+    print(table(["temperature", "rows", "plugin, every token hashed ms/row", "plugin, pruned ms/row"],
+                [[f"{t:g}", str(int(a[2])), f"{1000 * a[0] / a[2]:.2f}", f"{1000 * a[1] / a[2]:.2f}"]
+                 for t, a in sorted(by_temp.items())]))
+    print(f"vLLM plugin (torch {torch.__version__}, CPU, 1 thread): tokens that differ from the spec's: {differ} of "
+          f"{len(rows)}")
+    return differ
 
 
 if __name__ == "__main__":

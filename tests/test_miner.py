@@ -19,7 +19,7 @@ import bittensor as bt
 import pytest
 from aiohttp import web
 
-from gateway.protocol.openai import CHAT_PATH
+from gateway.protocol.openai import CHAT_PATH, SUBNET_SAMPLER
 from neurons.chain.base import NeuronInfo
 from neurons.keys import MissingKeyError, dev_keypair, load_hotkey
 from neurons.miner.cli import main, parse_args
@@ -122,12 +122,14 @@ async def test_health_and_signed_stream(session: aiohttp.ClientSession, make_ref
     async with session.get(m.url + "/health") as r:
         assert r.status == 200
         assert await r.json() == {"status": "ok", "hotkey": MINER.ss58_address, "slots": 3, "contexts": None, "busy": 0,
-                                  "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090"}
+                                  "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090",
+                                  "sampler": "tensorgate-gumbel/1"}
     raw = payload(max_tokens=12)
     async with session.post(m.url + CHAT_PATH, data=raw, headers=Signer().headers(raw)) as resp:
         assert resp.status == 200
         assert resp.content_type == "text/event-stream"
         assert resp.headers["X-Miner-Slots"] == "3"
+        assert resp.headers["X-Miner-Sampler"] == "tensorgate-gumbel/1"  # the validator audits and pays on it
         events = sse_events(await resp.text())
     assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
     tokens = [e for e in events if isinstance(e, dict) and e["choices"] and "content" in e["choices"][0]["delta"]]
@@ -301,6 +303,7 @@ class BreaksMidStream:
     """A runtime that fails after its first frame, with a clean failure or a bug."""
 
     name = "test:breaks"
+    sampler = None
 
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
@@ -441,6 +444,25 @@ async def upstream() -> AsyncIterator[tuple[FakeOpenAI, str]]:
 
 
 BODY = {"model": "caller-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+async def test_proxy_asks_vllm_for_the_subnet_sampler_only_when_it_runs_the_plugin(
+        session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str]) -> None:
+    """``--runtime.sampler subnet``: each seeded request names its seed in ``vllm_xargs`` (the plugin's argument),
+    other extra arguments kept; without it the runtime is asked nothing and declares no sampler."""
+    fake, url = upstream
+    fake.gate.set()
+    with_plugin = ProxyRuntime(url, session, sampler=SUBNET_SAMPLER)
+    plain = ProxyRuntime(url, session)
+    assert (with_plugin.sampler, plain.sampler) == (SUBNET_SAMPLER, None)
+    for rt, body in ((with_plugin, {**BODY, "seed": 42, "vllm_xargs": {"other": 1}}), (with_plugin, BODY),
+                     (plain, {**BODY, "seed": 42})):
+        async for _ in rt.stream(body):
+            pass
+    assert fake.bodies[0]["vllm_xargs"] == {"other": 1, "tensorgate_seed": 42} and fake.bodies[0]["seed"] == 42
+    assert "vllm_xargs" not in fake.bodies[1] and "vllm_xargs" not in fake.bodies[2]
+    with pytest.raises(ValueError, match="unknown sampler"):
+        ProxyRuntime(url, session, sampler="mine")
 
 
 async def test_proxy_relays_chunk_by_chunk(session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str]) -> None:
@@ -602,7 +624,8 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
             health = json.loads(r.read())
         assert health == {"status": "ok", "hotkey": dev_keypair("Bob").ss58_address, "slots": 2, "contexts": None,
-                          "busy": 0, "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090"}
+                          "busy": 0, "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090",
+                          "sampler": "tensorgate-gumbel/1"}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
@@ -617,6 +640,7 @@ class _SlowToCloseRuntime:
     """A runtime that sends ``[DONE]`` and only then finishes (a proxy waiting for its upstream to close)."""
 
     name = "slow-to-close"
+    sampler = None
 
     def health(self) -> Any:
         from neurons.miner.runtimes.base import RuntimeHealth

@@ -5,10 +5,17 @@ as they arrive (``iter_any``, no line buffering), so the validator's TTFT is the
 loopback hop. Upstream refusals become clean :class:`RuntimeFailure` errors before the first byte;
 a runtime that breaks off mid-stream raises :class:`RuntimeFailure` the miner turns into an SSE error event.
 
+A vLLM started with the subnet's sampler (``--logits-processors neurons.miner.vllm:SubnetSampler``,
+:mod:`neurons.miner.vllm`) draws seeded requests with it when asked through the request's extra arguments
+(``vllm_xargs``, vLLM's name): with ``sampler=SUBNET_SAMPLER`` every request that carries a seed asks for it,
+and the miner declares the sampler to validators, who then audit its sampled answers token by token and pay
+for them. Without it the runtime draws with its own RNG: free draws, audited for plausibility and not paid.
+
 Example::
 
     async with aiohttp.ClientSession() as session:
-        rt = ProxyRuntime("http://127.0.0.1:8001", session, model="Qwen/Qwen2.5-7B-Instruct")
+        rt = ProxyRuntime("http://127.0.0.1:8001", session, model="Qwen/Qwen2.5-7B-Instruct",
+                          sampler=SUBNET_SAMPLER)  # only when vLLM runs the plugin
         async for chunk in rt.stream({"messages": [{"role": "user", "content": "hi"}], "stream": True}):
             print(chunk.decode(), end="")
 """
@@ -23,6 +30,10 @@ from typing import Any
 import aiohttp
 from loguru import logger
 
+from gateway.protocol.openai import SUBNET_SAMPLER
+from gateway.protocol.sampling import is_seed
+
+from ..vllm_plugin import SEED_ARG
 from .base import RuntimeFailure, RuntimeHealth
 
 _MAX_ERROR_BODY = 64 * 1024
@@ -69,10 +80,13 @@ class ProxyRuntime:
     """Forward chat completions to ``{base_url}/v1/chat/completions`` and relay the stream unbuffered."""
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession, model: str | None = None,
-                 timeouts: ProxyTimeouts | None = None) -> None:
+                 timeouts: ProxyTimeouts | None = None, sampler: str | None = None) -> None:
+        if sampler not in (None, SUBNET_SAMPLER):
+            raise ValueError(f"unknown sampler {sampler!r}: {SUBNET_SAMPLER!r} or None")
         self.base_url = base_url.rstrip("/")
         self.url = self.base_url + "/v1/chat/completions"
         self.name = f"proxy:{self.base_url}"
+        self.sampler = sampler
         self._session = session
         self._model = model
         self._timeouts = timeouts or ProxyTimeouts()
@@ -102,6 +116,9 @@ class ProxyRuntime:
         if self._model:
             body["model"] = self._model
         body["stream"] = True
+        if self.sampler == SUBNET_SAMPLER and is_seed(body.get("seed")):
+            extra = body.get("vllm_xargs")
+            body["vllm_xargs"] = {**(extra if isinstance(extra, dict) else {}), SEED_ARG: body["seed"]}
         self._active += 1
         started = False  # True once the runtime answered 200: later errors are mid-stream
         try:
