@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -57,6 +57,11 @@ class GatewayCollector(Collector):
                                        labels=["uid", "reason"])
         ttft = GaugeMetricFamily("tensorgate_miner_ttft_p50_seconds", "Median TTFT of each miner's last 50 answers",
                                  labels=["uid"])
+        ttft_hist = HistogramMetricFamily("tensorgate_miner_ttft_seconds", "Time to first token of each miner's "
+                                          "dispatches, on the validator's clock", labels=["uid"])
+        decode_hist = HistogramMetricFamily("tensorgate_miner_decode_tokens_per_second", "Decode rate of each "
+                                            "miner's completed answers (tokens after the first over the time "
+                                            "after it), one stream each", labels=["uid"])
         for uid, st in sorted(gw.upstream.stats.items()):
             label = str(uid)
             requests.add_metric([label], st.requests)
@@ -66,7 +71,9 @@ class GatewayCollector(Collector):
             p50 = st.ttft_p50()
             if p50 is not None:
                 ttft.add_metric([label], p50)
-        yield from (requests, ok, failures, ttft)
+            ttft_hist.add_metric([label], st.ttft_s.cumulative(), st.ttft_s.total)
+            decode_hist.add_metric([label], st.decode_tok_s.cumulative(), st.decode_tok_s.total)
+        yield from (requests, ok, failures, ttft, ttft_hist, decode_hist)
         in_flight = GaugeMetricFamily("tensorgate_miner_in_flight", "This validator's streams on each miner",
                                       labels=["uid", "hotkey"])
         slots = GaugeMetricFamily("tensorgate_miner_slots", "Slots each miner declares", labels=["uid", "hotkey"])

@@ -63,6 +63,7 @@ from .protocol.sampling import SamplingParams, wire_seed
 from .protocol.signing import RequestSigner
 from .protocol.sse import ChunkInfo
 from .protocol.tokens import estimate_prompt_tokens
+from .buckets import DECODE_BOUNDS_TOK_S, TTFT_BOUNDS_S, Buckets
 from .router import Lease, MinerState
 
 MAX_ERROR_BODY = 64 * 1024  # what is read of a refusal's body so its connection can be reused
@@ -149,6 +150,8 @@ class MinerStats:
     """Recent outcomes of one miner, for the status page (scoring keeps its own books)."""
 
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=50))
+    ttft_s: Buckets = field(default_factory=lambda: Buckets(TTFT_BOUNDS_S))  # for /metrics' histograms
+    decode_tok_s: Buckets = field(default_factory=lambda: Buckets(DECODE_BOUNDS_TOK_S))
     requests: int = 0
     ok: int = 0
     failures: Counter[str] = field(default_factory=Counter)
@@ -232,6 +235,9 @@ class Upstream:
             st.failures[m.failure] += 1
         if m.ttft_s is not None:
             st.ttfts.append(m.ttft_s)
+            st.ttft_s.observe(m.ttft_s)
+            if m.ok and m.completion_tokens >= 2 and m.latency_s > m.ttft_s:  # one stream's rate, as it was sent
+                st.decode_tok_s.observe((m.completion_tokens - 1) / (m.latency_s - m.ttft_s))
         try:
             self.sink.record(m)
         except Exception:  # the sink must never break serving

@@ -53,6 +53,14 @@ async def test_metrics_after_known_traffic(make_miner, make_gateway, tmp_path) -
     assert got[("tensorgate_miner_quarantined", (("hotkey", bad.hotkey), ("uid", bad_uid)))] == 1
     assert got[("tensorgate_key_requests_today", (("key", "alice"),))] == 6
     assert ("tensorgate_in_flight", ()) in got
+    # per-miner histograms: every completed 3-token answer of the good miner has a TTFT and a decode rate
+    served = got[("tensorgate_miner_ok_total", (("uid", ok_uid),))]
+    assert served >= 1
+    for name in ("tensorgate_miner_ttft_seconds", "tensorgate_miner_decode_tokens_per_second"):
+        assert got[(f"{name}_count", (("uid", ok_uid),))] == served
+        assert got[(f"{name}_bucket", (("le", "+Inf"), ("uid", ok_uid)))] == served
+        assert got[(f"{name}_sum", (("uid", ok_uid),))] > 0
+    assert got[("tensorgate_miner_decode_tokens_per_second_count", (("uid", bad_uid),))] == 0  # garbage: no rate
 
 
 def _call(app: Gateway, client: str, headers: list[tuple[bytes, bytes]]) -> Any:
@@ -115,3 +123,13 @@ async def test_the_validators_families_show_audits_and_a_quarantine(tmp_path) ->
     assert got[("tensorgate_quarantined_miners", ())] == 2
     assert got[("tensorgate_sequential_alarms_total", (("hotkey", "hk-shift"),))] == 1
     assert got[("tensorgate_metagraph_age_seconds", ())] < 60
+
+
+def test_buckets_count_by_upper_bound_cumulatively_and_ignore_non_measurements() -> None:
+    from gateway.buckets import Buckets
+
+    b = Buckets((0.1, 1.0))
+    for x in (0.05, 0.1, 0.5, 2.0, float("nan"), -1.0, float("inf")):
+        b.observe(x)
+    assert b.cumulative() == [("0.1", 2.0), ("1", 3.0), ("+Inf", 4.0)] and b.count == 4
+    assert b.total == 0.05 + 0.1 + 0.5 + 2.0

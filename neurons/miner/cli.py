@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import random
 import sys
+from collections.abc import Mapping
 
 import aiohttp
 from loguru import logger
@@ -20,6 +21,7 @@ from loguru import logger
 from gateway.protocol.openai import SUBNET_SAMPLER
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
+from ..settings import MINER_PREFIX, add_config_flag, resolve
 from ..supervise import until_stop_signal
 from .runtimes.base import Runtime
 from .runtimes.sim import SimulatedRuntime, parse_profile
@@ -27,9 +29,11 @@ from .server import DEFAULT_MAX_BODY, start_miner
 from .trust import AllowList, PermitTrust, Trust
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Flags, then ``TENSORGATE_MINER_<FLAG>`` variables, then ``--config``'s TOML file (:mod:`neurons.settings`)."""
     p = argparse.ArgumentParser(prog="python -m neurons.miner",
                                 description="tensorgate reference miner: signed, slot-limited chat completions")
+    add_config_flag(p, MINER_PREFIX)
     p.add_argument("--netuid", type=int, default=1, help="subnet to serve (network mode)")
     p.add_argument("--network", default="finney", help="finney | test | local | ws://host:port")
     p.add_argument("--wallet.name", dest="wallet_name", default="default", help="wallet (coldkey) name")
@@ -72,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds between metagraph refreshes of the trusted validators")
     p.add_argument("--max-body", dest="max_body", type=int, default=DEFAULT_MAX_BODY, help="request body cap (bytes)")
     p.add_argument("--log-level", dest="log_level", default="INFO")
-    args = p.parse_args(argv)
+    args = resolve(p, argv, env, prefix=MINER_PREFIX)
     if args.slots < 1:
         p.error("--slots must be >= 1")
     if args.runtime_contexts is not None and args.runtime_contexts < 1:

@@ -1,6 +1,8 @@
 """The validator's command line, in bittensor conventions (``--netuid``, ``--wallet.name``, ...).
 
-Parsing is kept apart from the process so tests can build a :class:`ValidatorConfig` directly.
+Every flag is also an environment variable and a key of a TOML file (:mod:`neurons.settings`: flags win, then
+the environment, then ``--config``'s file). Parsing is kept apart from the process so tests can build a
+:class:`ValidatorConfig` directly.
 
 Example::
 
@@ -12,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
+from ..settings import VALIDATOR_PREFIX, add_config_flag, resolve
 
 DEFAULT_MODEL = "tensorgate/sim-5090"
 
@@ -83,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = ValidatorConfig()
+    add_config_flag(p, VALIDATOR_PREFIX)
     chain = p.add_argument_group("chain")
     chain.add_argument("--netuid", type=int, default=None, help="subnet to validate (required off --local)")
     chain.add_argument("--network", default=d.network, help="finney | test | local | ws://host:port")
@@ -208,10 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> ValidatorConfig:
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> ValidatorConfig:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = resolve(parser, argv, env, prefix=VALIDATOR_PREFIX)
     values = vars(ns)
+    values.pop("config", None)
     local = bool(values["local"])
     if not local:  # weights are real here: nothing may default to the local subnet's stand-ins
         if values["netuid"] is None:

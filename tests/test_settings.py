@@ -1,0 +1,72 @@
+"""One configuration (issue 26): every flag also an environment variable and a TOML key; flags > env > file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from neurons.miner.cli import parse_args as miner_args
+from neurons.validator.config import parse_args
+
+LOCAL = ["--local"]
+
+
+def _file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "tensorgate.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_is_flag_then_environment_then_file(tmp_path: Path) -> None:
+    cfg_file = _file(tmp_path, 'netuid = 3\nseed = 1\n[gateway]\nport = 8101\nmax-retries = 5\n'
+                               'model = ["a", "b"]\n[audit]\nrate = 0.25\n[probes]\ncapacity-check = "off"\n')
+    env = {"TENSORGATE_GATEWAY_PORT": "8102", "TENSORGATE_AUDIT_RATE": "0.5"}
+    cfg = parse_args([*LOCAL, "--config", cfg_file, "--audit.rate", "0.75"], env=env)
+    assert cfg.audit_rate == 0.75  # flag over env over file
+    assert cfg.gateway_port == 8102  # env over file
+    assert (cfg.netuid, cfg.seed, cfg.max_retries) == (3, 1, 5)  # file over the defaults, typed by the flag
+    assert cfg.models == ["a", "b"] and cfg.capacity_check is False
+    # a repeatable flag on the command line replaces the file's list rather than adding to it
+    assert parse_args([*LOCAL, "--config", cfg_file, "--gateway.model", "c"], env={}).models == ["c"]
+    # the file named in the environment; switches and lists from the environment
+    cfg = parse_args([], env={"TENSORGATE_CONFIG": cfg_file, "TENSORGATE_LOCAL": "true",
+                              "TENSORGATE_GATEWAY_MODEL": "x, y", "TENSORGATE_LOG_ACCESS": "1"})
+    assert cfg.local and cfg.models == ["x", "y"] and cfg.log_access and cfg.gateway_port == 8101
+
+
+@pytest.mark.parametrize("text,env,needle", [
+    ("[gateway]\nprot = 1\n", {}, "unknown setting 'gateway.prot'"),
+    ("[gateway]\nport = \"eighty\"\n", {}, "gateway.port: invalid value 'eighty'"),
+    ("[gateway]\nport = 80.5\n", {}, "gateway.port: invalid value 80.5"),
+    ("[probes]\nmix = \"tpu\"\n", {}, "'tpu' is not one of gpu, cpu"),
+    ("local = \"yes\"\n", {}, "a switch is true or false"),
+    ("netuid = [1]\n", {}, "expected one value"),
+    ("not toml [\n", {}, "not TOML"),
+    ("", {"TENSORGATE_AUDIT_RATE": "lots"}, "$TENSORGATE_AUDIT_RATE: invalid value 'lots'"),
+    ("", {"TENSORGATE_LOCAL": "maybe"}, "$TENSORGATE_LOCAL: a switch is true or false"),
+])
+def test_a_bad_setting_is_one_line_naming_its_source_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                text: str, env: dict[str, str], needle: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args([*LOCAL, "--config", _file(tmp_path, text)], env=env)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_a_missing_config_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args([*LOCAL, "--config", str(tmp_path / "nope.toml")], env={})
+    assert e.value.code == 2 and "nope.toml: No such file or directory" in capsys.readouterr().err
+
+
+def test_the_miner_reads_its_own_prefix_so_one_shell_can_hold_both(tmp_path: Path) -> None:
+    env = {"TENSORGATE_WALLET_NAME": "vali", "TENSORGATE_MINER_WALLET_NAME": "mine", "TENSORGATE_MINER_SLOTS": "7",
+           "TENSORGATE_MINER_RUNTIME_SIM": "rtx5090"}
+    args = miner_args([], env=env)
+    assert (args.wallet_name, args.slots, args.runtime_sim) == ("mine", 7, "rtx5090")
+    assert parse_args(LOCAL, env=env).wallet_name == "vali"
+    miner_file = _file(tmp_path, '[runtime]\nsim = "rtx5090"\nsampler = "subnet"\n[axon]\nport = 9001\n')
+    args = miner_args(["--config", miner_file], env={})
+    assert (args.axon_port, args.runtime_sampler) == (9001, "subnet")
