@@ -46,6 +46,7 @@ from loguru import logger
 
 from scoring.measurement import Answer, FailureReason, Measurement, MeasurementSink
 
+from .buckets import DECODE_BOUNDS_TOK_S, TTFT_BOUNDS_S, Buckets
 from .http.client import MinerClient
 from .metering import AnswerBudget, MeterFailure, StreamMeter
 from .protocol.errors import CLIENT_FAULT_CODES
@@ -63,7 +64,6 @@ from .protocol.sampling import SamplingParams, wire_seed
 from .protocol.signing import RequestSigner
 from .protocol.sse import ChunkInfo
 from .protocol.tokens import estimate_prompt_tokens
-from .buckets import DECODE_BOUNDS_TOK_S, TTFT_BOUNDS_S, Buckets
 from .router import Lease, MinerState
 
 MAX_ERROR_BODY = 64 * 1024  # what is read of a refusal's body so its connection can be reused

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -303,6 +304,14 @@ async def test_unreachable_network_is_a_clear_error(tmp_path: Path) -> None:
         await SubtensorChain.connect("nonesuch", NETUID, VALI)
     out = await SubtensorChain(f"ws://127.0.0.1:{_closed_port()}", NETUID, VALI).set_weights({1: 1.0})
     assert not out.ok and "cannot reach" in out.message
+
+
+async def test_a_first_connection_is_retried_with_backoff_then_one_clear_error(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ChainUnavailable, match="cannot reach .* after 3 attempts"):
+        await SubtensorChain.connect(f"ws://127.0.0.1:{_closed_port()}", NETUID, VALI, state_dir=tmp_path,
+                                     connect_retries=2, retry_backoff_s=0.2)
+    assert time.monotonic() - t0 >= 0.2 + 0.4  # waited 0.2 s, then twice that
 
 
 async def test_blocks_follow_the_real_clock(tmp_path: Path) -> None:

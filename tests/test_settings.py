@@ -70,3 +70,24 @@ def test_the_miner_reads_its_own_prefix_so_one_shell_can_hold_both(tmp_path: Pat
     miner_file = _file(tmp_path, '[runtime]\nsim = "rtx5090"\nsampler = "subnet"\n[axon]\nport = 9001\n')
     args = miner_args(["--config", miner_file], env={})
     assert (args.axon_port, args.runtime_sampler) == (9001, "subnet")
+
+
+def test_start_up_failures_are_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No wallet; then a wallet but a chain that cannot be reached after its retries (and its fallback)."""
+    import socket
+
+    import bittensor as bt
+
+    from neurons.validator.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    base = ["--netuid", "7", "--network", f"ws://127.0.0.1:{closed}", "--gateway.model", "m", "--audit.off",
+            "--wallet.name", "vali", "--wallet.path", str(tmp_path), "--state-dir", str(tmp_path / "state")]
+    assert main(base) == 2
+    assert "no hotkey 'default' in wallet 'vali'" in capsys.readouterr().err
+    bt.Wallet(name="vali", hotkey="default", path=str(tmp_path)).create_new_hotkey(suppress=True)
+    assert main([*base, "--chain.connect-retries", "1", "--chain.fallback", f"ws://127.0.0.1:{closed}"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach ws://127.0.0.1:{closed} after 2 attempts" in err and "Traceback" not in err

@@ -74,8 +74,9 @@ def test_the_torch_sampler_picks_the_specs_token_row_by_row_in_one_batch() -> No
         want = [seeded_token(logits[i], SamplingParams(float(temps[i]), float(top_ps[i]), seed=seeds[i]),
                              positions[i]) for i in range(rows)]
         assert got.tolist() == want, trial
-        every = subnet_tokens(torch.from_numpy(logits), torch.from_numpy(temps), torch.from_numpy(top_ps),
-                              torch.tensor([row_base(s, p) for s, p in zip(seeds, positions, strict=True)]), prune=False)
+        bases = torch.tensor([row_base(s, p) for s, p in zip(seeds, positions, strict=True)])
+        every = subnet_tokens(torch.from_numpy(logits), torch.from_numpy(temps), torch.from_numpy(top_ps), bases,
+                              prune=False)
         assert every.tolist() == want, trial
 
 

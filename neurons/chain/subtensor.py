@@ -129,6 +129,9 @@ class SubtensorChain:
         version_key: int | None = None,
         wait_for_finalization: bool = False,
         connect_timeout: float = 30.0,
+        fallback_endpoints: list[str] | None = None,
+        connect_retries: int = 0,
+        retry_backoff_s: float = 2.0,
     ) -> None:
         self.network = network
         self.netuid = int(netuid)
@@ -136,6 +139,12 @@ class SubtensorChain:
         self.version_key = version_key  # None: the subnet's WeightsVersionKey, read before each submission
         self.wait_for_finalization = wait_for_finalization
         self.connect_timeout = connect_timeout
+        # Endpoints the SDK tries when the first fails (None: the SDK's own pools for finney; none for a URL).
+        self.fallback_endpoints = fallback_endpoints
+        # A first connection that fails is tried again this many times, waiting retry_backoff_s, then twice that,
+        # ... (at most 60 s): a chain node restarting must not stop a validator that systemd started beside it.
+        self.connect_retries = max(0, int(connect_retries))
+        self.retry_backoff_s = retry_backoff_s
         self._substrate = substrate
         self._state_dir = Path(state_dir) if state_dir is not None else None
         self._client: bt.Client | None = None
@@ -164,14 +173,26 @@ class SubtensorChain:
         async with self._connect_lock:
             if self._client is None:
                 kwargs: dict[str, Any] = {"substrate": self._substrate}
-                if self._substrate is None and self.network.startswith(("ws://", "wss://")):
+                if self._substrate is None and self.fallback_endpoints is not None:
+                    kwargs.update(fallback_endpoints=list(self.fallback_endpoints))
+                elif self._substrate is None and self.network.startswith(("ws://", "wss://")):
                     kwargs.update(fallback_endpoints=[], archive_endpoints=[])
-                try:
-                    self._client = await asyncio.wait_for(_open(self.network, kwargs), self.connect_timeout)
-                except ValueError as e:  # unknown network name
-                    raise ChainUnavailable(str(e)) from e
-                except (RpcConnectionError, OSError, TimeoutError) as e:
-                    raise ChainUnavailable(f"cannot reach {self.network}: {e or type(e).__name__}") from e
+                wait = self.retry_backoff_s
+                for attempt in range(self.connect_retries + 1):
+                    try:
+                        self._client = await asyncio.wait_for(_open(self.network, kwargs), self.connect_timeout)
+                        break
+                    except ValueError as e:  # unknown network name: no retry helps
+                        raise ChainUnavailable(str(e)) from e
+                    except (RpcConnectionError, OSError, TimeoutError) as e:
+                        why = f"{e or type(e).__name__}"
+                        if attempt == self.connect_retries:
+                            tries = f" after {attempt + 1} attempts" if attempt else ""
+                            raise ChainUnavailable(f"cannot reach {self.network}{tries}: {why}") from e
+                        logger.warning("cannot reach {} ({}); attempt {} of {} in {:.0f} s", self.network, why,
+                                       attempt + 2, self.connect_retries + 1, wait)
+                        await asyncio.sleep(wait)
+                        wait = min(60.0, wait * 2)
                 logger.debug("connected to {} (netuid {})", self.network, self.netuid)
         return self._client
 

@@ -36,7 +36,9 @@ async def _run_network(cfg: ValidatorConfig) -> int:
 
     keypair = load_hotkey(cfg.wallet_name, cfg.wallet_hotkey, cfg.wallet_path)
     chain = await SubtensorChain.connect(cfg.network, cfg.netuid, wallet=keypair, state_dir=cfg.state_dir,
-                                         version_key=cfg.weights_version_key)
+                                         version_key=cfg.weights_version_key,
+                                         fallback_endpoints=cfg.chain_fallbacks or None,
+                                         connect_retries=cfg.chain_connect_retries)
     try:
         uid = await chain.my_uid()  # NotRegistered: refuse to run rather than serve without weights
         logger.info("hotkey {} is uid {} on netuid {}", keypair.ss58_address, uid, cfg.netuid)

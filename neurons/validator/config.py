@@ -31,6 +31,8 @@ class ValidatorConfig:
     wallet_name: str = "default"
     wallet_hotkey: str = "default"
     wallet_path: str = "~/.bittensor/wallets"
+    chain_fallbacks: list[str] = field(default_factory=list)  # endpoints tried when --network's fails
+    chain_connect_retries: int = 4  # a first connection that fails: tried again after 2, 4, 8, 16 s
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
     api_keys_file: str | None = None
@@ -94,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     chain.add_argument("--wallet.name", dest="wallet_name", default=d.wallet_name, help="coldkey wallet name")
     chain.add_argument("--wallet.hotkey", dest="wallet_hotkey", default=d.wallet_hotkey, help="hotkey name")
     chain.add_argument("--wallet.path", dest="wallet_path", default=d.wallet_path, help="wallets directory")
+    chain.add_argument("--chain.fallback", dest="chain_fallbacks", action="append", default=[], metavar="URL",
+                       help="another endpoint of the same chain (ws:// or wss://), tried when --network's fails "
+                            "(repeatable; finney has the SDK's public pools without it)")
+    chain.add_argument("--chain.connect-retries", dest="chain_connect_retries", type=int,
+                       default=d.chain_connect_retries,
+                       help="when the chain cannot be reached at start: tries again this many times, 2 s apart, "
+                            "doubling, before one clear line and exit 2")
     gw = p.add_argument_group("gateway")
     gw.add_argument("--gateway.host", dest="gateway_host", default=d.gateway_host, help="bind address")
     gw.add_argument("--gateway.port", dest="gateway_port", type=int, default=d.gateway_port, help="bind port")
