@@ -194,6 +194,7 @@ class SubtensorChain:
                         await asyncio.sleep(wait)
                         wait = min(60.0, wait * 2)
                 logger.debug("connected to {} (netuid {})", self.network, self.netuid)
+        assert self._client is not None  # connected, or ChainUnavailable was raised
         return self._client
 
     async def _read(self, coro_fn: Any) -> Any:
