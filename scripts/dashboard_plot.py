@@ -85,11 +85,11 @@ def quantiles(scrapes: list[Scrape], name: str, q: float, window: float) -> dict
             continue
         base = older[0][1]
         per_uid: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for (n, labels), v in sample.items():
-            if n == name + "_bucket":
+        for (metric, labels), v in sample.items():
+            if metric == name + "_bucket":
                 d = dict(labels)
-                le = math.inf if d["le"] == "+Inf" else float(d["le"])
-                per_uid[d["uid"]].append((le, v - base.get((n, labels), 0.0)))
+                bound = math.inf if d["le"] == "+Inf" else float(d["le"])
+                per_uid[d["uid"]].append((bound, v - base.get((metric, labels), 0.0)))
         for uid, buckets in per_uid.items():
             buckets.sort()
             total = buckets[-1][1]
