@@ -211,6 +211,32 @@ async def test_a_request_id_is_kept_or_made_returned_and_in_every_log_line_about
     assert not any("[trace-42.a:b]" in line for line in lines if "GET /health" in line)  # only its own lines
 
 
+def test_json_log_lines_carry_the_request_id(capsys) -> None:
+    """``--log.format json``: one object a line; a line written while serving a request names its id."""
+    import json
+
+    from loguru import logger
+
+    from neurons.validator.cli import json_line
+
+    sink = logger.add(json_line, level="INFO")
+    try:
+        with logger.contextualize(request_id="req_abc"):
+            logger.info("about a request: {}", "x")
+        logger.warning("about nothing")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logger.exception("failed")
+    finally:
+        logger.remove(sink)
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    assert lines[0]["message"] == "about a request: x" and lines[0]["request_id"] == "req_abc"
+    assert lines[0]["level"] == "INFO" and lines[0]["time"].endswith("+00:00")
+    assert "request_id" not in lines[1] and lines[1]["level"] == "WARNING"
+    assert "ValueError: boom" in lines[2]["exception"]
+
+
 async def test_ready_says_why_not_while_no_miner_is_routable(make_miner, make_gateway) -> None:
     """Issue 26: /health only says the process answers; /ready is what a load balancer should read."""
     m = await make_miner()

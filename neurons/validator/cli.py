@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import json
 import signal
 import sys
+import traceback
 from collections.abc import Coroutine
 from typing import Any
 
@@ -25,9 +28,25 @@ def log_format(record: Any) -> str:
     return "<green>{time:YYYY-MM-DD HH:mm:ss}</green> <level>{level: <7}</level> " + rid + "{message}\n{exception}"
 
 
-def _configure_logging(level: str) -> None:
+def json_line(message: Any) -> None:
+    """One JSON object a line on stderr (``--log.format json``), for a log shipper: time (UTC, ISO 8601), level,
+    message, the request id when the line is about a request, and the exception's text when there is one."""
+    record = message.record
+    line: dict[str, Any] = {"time": record["time"].astimezone(datetime.UTC).isoformat(timespec="milliseconds"),
+                            "level": record["level"].name, "message": record["message"]}
+    if "request_id" in record["extra"]:
+        line["request_id"] = record["extra"]["request_id"]
+    if record["exception"] is not None:
+        line["exception"] = "".join(traceback.format_exception(*record["exception"]))
+    sys.stderr.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def _configure_logging(level: str, fmt: str = "text") -> None:
     logger.remove()
-    logger.add(sys.stderr, level=level.upper(), format=log_format)
+    if fmt == "json":
+        logger.add(json_line, level=level.upper())
+    else:
+        logger.add(sys.stderr, level=level.upper(), format=log_format)
 
 
 async def _run_network(cfg: ValidatorConfig) -> int:
@@ -115,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..reference.bands import BandsFileError
 
     cfg = parse_args(argv)
-    _configure_logging(cfg.log_level)
+    _configure_logging(cfg.log_level, cfg.log_format)
     raise_open_files_limit()
     try:
         if cfg.local:

@@ -68,6 +68,7 @@ class ValidatorConfig:
     audit_context: int = 4096
     audit_bands: Path | None = None  # a bands file from python -m neurons.reference.calibrate (None: the defaults)
     log_level: str = "INFO"
+    log_format: str = "text"  # "json": one object a line (time, level, message, request_id), for log shippers
     log_access: bool = False  # one line per gateway request (method, path, status, time, request id)
     seed: int | None = None
     # Embedded local subnet (the README's main job).
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="real mode: add a cheating miner of this kind (repeatable), to watch the audit catch it")
     p.add_argument("--seed", type=int, default=None, help="seed the router, probes and traffic (reproducible runs)")
     p.add_argument("--log-level", dest="log_level", default=d.log_level, help="DEBUG | INFO | WARNING")
+    p.add_argument("--log.format", dest="log_format", choices=("text", "json"), default=d.log_format,
+                   help="text (dated lines) | json (one object a line: time, level, message, request_id)")
     p.add_argument("--log.access", dest="log_access", action="store_true",
                    help="an access log: one line per gateway request (method, path, status, time, request id)")
     return p
