@@ -28,7 +28,7 @@ Why this shape, against what miners were seen doing (issue 14):
   it adds no evidence to the per-miner sequential test that catches a requantized model. Paid "in proportion to
   what the rule can detect" means paid at its weakest cheat's rate, 0: such a miner is paid for what can be
   checked exactly (its greedy answers, and every answer once it runs the sampler: the vLLM plugin,
-  :mod:`neurons.miner.vllm`). So declaring no sampler never pays more than running it, and declaring it
+  :mod:`neurons.miner.vllm_plugin`). So declaring no sampler never pays more than running it, and declaring it
   without running it fails the audits (``wrong_tokens``).
 * A prompt is paid at prefill speed, which is the work it takes; a long prompt answered fast earns no
   more than that, and never more than the time to first token shows was spent: an answer that comes

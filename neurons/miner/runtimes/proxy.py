@@ -5,8 +5,8 @@ as they arrive (``iter_any``, no line buffering), so the validator's TTFT is the
 loopback hop. Upstream refusals become clean :class:`RuntimeFailure` errors before the first byte;
 a runtime that breaks off mid-stream raises :class:`RuntimeFailure` the miner turns into an SSE error event.
 
-A vLLM started with the subnet's sampler (``--logits-processors neurons.miner.vllm:SubnetSampler``,
-:mod:`neurons.miner.vllm`) draws seeded requests with it when asked through the request's extra arguments
+A vLLM started with the subnet's sampler (``--logits-processors neurons.miner.vllm_plugin:SubnetSampler``,
+:mod:`neurons.miner.vllm_plugin`) draws seeded requests with it when asked through the request's extra arguments
 (``vllm_xargs``, vLLM's name): with ``sampler=SUBNET_SAMPLER`` every request that carries a seed asks for it,
 and the miner declares the sampler to validators, who then audit its sampled answers token by token and pay
 for them. Without it the runtime draws with its own RNG: free draws, audited for plausibility and not paid.
