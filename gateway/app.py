@@ -46,6 +46,7 @@ from .metrics import METRICS_KEY_ENV, GatewayCollector
 from .protocol.errors import (
     GatewayError,
     invalid_json,
+    model_not_found,
     payload_too_large,
     rate_limited,
     shutting_down,
@@ -62,6 +63,7 @@ from .upstream import Upstream, UpstreamTimeouts
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
 _CLOSE_AFTER = frozenset({400, 401, 408, 413, 417, 503})  # refusals after which the connection is not worth keeping
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters (tab allowed) in a header value
+MODEL_PATH = "/v1/models/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +249,8 @@ class Gateway:
             raise GatewayError(400, "control character in a header value", code="bad_request")
         methods = self._routes.get(scope["path"])
         raw = scope.get("raw_path")
+        if methods is None and scope["path"].startswith(MODEL_PATH):
+            methods, raw = {"GET": self._model}, None  # a model id holds "/" (org/name), which clients percent-encode
         if methods is None or (raw is not None and raw.decode("latin-1") != scope["path"]):
             # matched on the path as sent: "/v1/chat%2Fcompletions" is not "/v1/chat/completions"
             raise GatewayError(404, "Not Found", code="not_found")
@@ -341,8 +345,15 @@ class Gateway:
 
     async def _models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         self._authorize(headers)
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "tensorgate"} for m in self.config.models]
-        await send_json(send, 200, {"object": "list", "data": data})
+        await send_json(send, 200, {"object": "list", "data": [_model_object(m) for m in self.config.models]})
+
+    async def _model(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        """``GET /v1/models/{id}`` (OpenAI's ``models.retrieve``): the model, or 404 ``model_not_found``."""
+        self._authorize(headers)
+        model = scope["path"][len(MODEL_PATH):]
+        if model not in self.config.models:
+            raise model_not_found(model)
+        await send_json(send, 200, _model_object(model))
 
     async def _status(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         policy = self._authorize(headers)
@@ -416,6 +427,10 @@ class Gateway:
             self._serving -= 1
             if not self._serving:
                 self._all_served.set()
+
+
+def _model_object(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "tensorgate"}
 
 
 def _headers(scope: Scope) -> dict[str, str]:

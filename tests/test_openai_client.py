@@ -120,3 +120,27 @@ async def test_async_client_against_real_simulated_miners(make_sim_miner, make_g
     # a request may race a slot that its predecessor's handler has not freed yet: a retried 429 is fine
     assert sum(x.ok for x in h.measurements()) == 4
     assert all(x.ok or x.failure == "busy" for x in h.measurements())
+
+
+async def test_every_field_is_passed_or_refused_by_name_and_models_can_be_retrieved(make_miner, make_gateway):
+    """Issue 27: nothing a client sends is dropped silently (``logit_bias`` and ``top_k`` were, with a 200); a
+    field at its default or null is fine; ``user`` is the gateway's and never reaches a miner; models.retrieve."""
+    m = await make_miner(Script("ok", tokens=2))
+    m.keep_bodies = True
+    h = await make_gateway([m])
+    async with openai.AsyncOpenAI(base_url=base_url(h), api_key=API_KEY, max_retries=0, timeout=20) as client:
+        for kwargs, param in (({"logit_bias": {"5": 10}}, "logit_bias"), ({"extra_body": {"top_k": 5}}, "top_k"),
+                              ({"extra_body": {"min_p": 0.1}}, "min_p"),
+                              ({"extra_body": {"repetition_penalty": 1.1}}, "repetition_penalty")):
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)
+            assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter", e.value.body
+        done = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, n=1,
+                                                    logprobs=False, user="end-user-7",
+                                                    extra_body={"top_k": None})
+        assert done.choices[0].message.content
+        assert m.bodies and "user" not in m.bodies[-1] and "top_k" not in m.bodies[-1]
+        assert (await client.models.retrieve(MODEL)).id == MODEL
+        with pytest.raises(openai.NotFoundError) as nf:
+            await client.models.retrieve("org/no-such-model")
+        assert nf.value.body["code"] == "model_not_found"

@@ -27,6 +27,16 @@ from .tokens import estimate_prompt_tokens
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Accepted but not served: refusing is better than pretending.
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction")
+# Every field the gateway reads: passed to the miner (the sampling fields), used by the gateway itself (``stream``,
+# ``stream_options``, ``max_tokens``, ``user``: the end user's id, kept from miners), or refused by name unless at
+# its default (``n``, ``logprobs``, ``top_logprobs``, ``response_format``, UNSUPPORTED). Anything else given a value
+# is refused by name too (``logit_bias``, ``top_k``, ``min_p``, ...): a 200 that silently ignored a field would
+# give the client an answer it did not ask for (issue 27).
+KNOWN_FIELDS = frozenset({
+    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "presence_penalty", "frequency_penalty", "stop", "seed", "n", "user", "logprobs", "top_logprobs",
+    "response_format", *UNSUPPORTED,
+})
 
 
 DEFAULT_MAX_TOKENS = 256  # completion length when a request names none
@@ -208,6 +218,10 @@ def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
     messages = _messages(body.get("messages"), limits)
     if model not in limits.models:
         raise model_not_found(model)
+    for name in sorted(body):
+        if name not in KNOWN_FIELDS and body[name] is not None:
+            raise bad_request(f"'{name}' is not supported by this gateway (refused rather than ignored)", param=name,
+                              code="unsupported_parameter")
     for name in UNSUPPORTED:
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is not supported by this gateway", param=name, code="unsupported_parameter")
