@@ -39,6 +39,7 @@ from typing import Any
 from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from .admission import AdmissionQueue
 from .asgi import BodyTimeout, ClientGone, Message, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, bearer_matches, load_keys
 from .http.server import HttpServer, is_loopback
@@ -87,6 +88,7 @@ class GatewayConfig:
     shutdown_timeout: float = 5.0
     first_byte_budget_s: float = 30.0  # the whole wait for a first byte, retries included
     audits: bool = True  # answers are verified by a reference (False: /v1/status says every answer is paid unverified)
+    queue_s: float = 10.0  # how long a request may wait for a free slot when every miner's are busy (0: 429 at once)
     access_log: bool = False  # one INFO line per request (method, path, status, time; the request id rides along)
     metrics_key: str | None = None  # bearer key of GET /metrics (None: loopback clients only)
     # Once listening, what the process allocated so far (the SDK, imports, the metagraph) lives as long as it
@@ -133,6 +135,7 @@ class Gateway:
         self.counter = counter  # a limited key's prompt tokens, counted as the model counts them (None: estimated)
         self.router = router
         self.upstream = upstream
+        self.admission = AdmissionQueue(router, wait_s=config.queue_s)
         self.auth = ApiKeyAuth(config.api_keys)
         self.quota = QuotaBook()  # usage and limits per key name
         # Called with every admitted request (the validator keeps its shape, never its text, for probes).
@@ -418,6 +421,7 @@ class Gateway:
                     await self.save_usage(row)
                 except Exception as e:
                     logger.error("could not save API key {!r}'s usage before serving it: {}", policy.name, e)
+            await self.admission.admit(policy.name)  # every slot busy: a short wait, fair across keys, or the 429
             used = prompt_tokens + await self.relay.serve(req, send)
         except GatewayError:
             used = 0  # no miner answered: nothing was served

@@ -50,6 +50,13 @@ class GatewayCollector(Collector):
         yield responses
         yield GaugeMetricFamily("tensorgate_in_flight", "Requests in flight to miners",
                                 value=gw.router.total_in_flight())
+        yield GaugeMetricFamily("tensorgate_queue_waiting", "Requests waiting for a free slot (every miner's busy)",
+                                value=gw.admission.waiting)
+        queued = CounterMetricFamily("tensorgate_queue", "Requests that waited for a slot, by how the wait ended",
+                                     labels=["outcome"])
+        queued.add_metric(["admitted"], gw.admission.waited)
+        queued.add_metric(["timed_out"], gw.admission.timed_out)
+        yield queued
         requests = CounterMetricFamily("tensorgate_miner_requests", "Dispatches to each miner (probes included)",
                                        labels=["uid"])
         ok = CounterMetricFamily("tensorgate_miner_ok", "Dispatches each miner completed", labels=["uid"])

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -234,6 +234,9 @@ class Router:
         # forced picks (everyone else busy) is not repaid by starving that miner for an hour after.
         self._vt = 0.0
         self._wsum = 1.0
+        # Called after every release, and when slots or membership change: the gateway's admission queue
+        # (gateway.admission) lets a waiting request go. None: nobody waits.
+        self.on_release: Callable[[], None] | None = None
 
     # -- membership and scores -------------------------------------------------------------------
 
@@ -260,6 +263,8 @@ class Router:
                 self._miners[uid] = m
                 self._bucket_in(m)
         self._reweigh()
+        if self.on_release is not None:  # new miners: room for those waiting
+            self.on_release()
 
     def set_scores(self, scores: Mapping[str, float]) -> None:
         """Routing scores keyed by hotkey (so a re-registered UID cannot inherit a score)."""
@@ -344,6 +349,8 @@ class Router:
         m.slots = n
         if live:
             self._bucket_in(m)
+        if self.on_release is not None:
+            self.on_release()
 
     def acquire_uid(self, uid: int) -> Lease | None:
         """Count one request in flight on a specific miner (probes), so organic routing sees it too."""
@@ -374,6 +381,8 @@ class Router:
             m.served += 1
         if live:
             self._bucket_in(m)
+        if self.on_release is not None:
+            self.on_release()
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -385,6 +394,15 @@ class Router:
 
     def total_in_flight(self) -> int:
         return sum(m.in_flight for m in self._miners.values())
+
+    def has_room(self) -> bool:
+        """Some routable miner has a declared slot free for this validator (its load under 1): a request sent now
+        is not refused for our own streams. One pass over the distinct loads, not the miners."""
+        return any(load < 1.0 for load in self._buckets)
+
+    def free_slots(self) -> int:
+        """Declared slots free on routable miners, in all (for the admission queue, only while requests wait)."""
+        return sum(max(0, m.slots - m.in_flight) for m in self._miners.values() if not m.quarantined)
 
     def routable(self) -> int:
         """Miners organic requests may go to (every one but the quarantined): what ``/ready`` needs above 0."""

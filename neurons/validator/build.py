@@ -119,6 +119,7 @@ def build_parts(
     gateway_options.setdefault("first_byte_budget_s", cfg.first_byte_budget_s)
     gateway_options.setdefault("audits", reference is not None)
     gateway_options.setdefault("access_log", cfg.log_access)
+    gateway_options.setdefault("queue_s", cfg.queue_s)
     gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
                                         keys=api_keys, max_retries=cfg.max_retries, **gateway_options)
     gateway = Gateway(gw_cfg, router, upstream, counter=_prompt_counter(cfg, reference))

@@ -52,6 +52,7 @@ class ValidatorConfig:
     max_retries: int = 2
     first_byte_budget_s: float = 30.0  # a client's whole wait for a first byte, retries included
     drain_s: float = 5.0  # on a stop (SIGTERM, Ctrl-C): how long streams in progress may take to finish
+    queue_s: float = 10.0  # a request that finds every miner's slots busy waits this long at most (gateway.admission)
     max_connections: int = 2048  # client connections at once (each is a file descriptor)
     # How limited API keys' prompts are counted: "auto" (the in-process reference's GGUF tokenizer, else the
     # estimate), "estimate" (4 characters a token), or a GGUF file whose tokenizer counts them.
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how API keys' token limits count a prompt: auto (the tokenizer of --audit.model when it "
                          "runs in process, else the estimate) | estimate (4 characters a token, undercounts "
                          "digits, emoji and CJK up to 4x) | path to a GGUF file of the subnet's model")
+    gw.add_argument("--gateway.queue-seconds", dest="queue_s", type=float, default=d.queue_s,
+                    help="a request that finds every miner's declared slots busy waits this long at most for one, "
+                         "in a queue fair across API keys, before a 429 with Retry-After (0: the 429 at once)")
     gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
                     help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
     sc = p.add_argument_group("scoring and weights")
