@@ -6,7 +6,8 @@ and a file key:
 
 * ``--gateway.port 8001`` on the command line;
 * ``TENSORGATE_GATEWAY_PORT=8001`` in the environment (the program's prefix, ``TENSORGATE_`` for the validator and
-  ``TENSORGATE_MINER_`` for the miner, so one shell can hold both, + the flag's name in capitals, dots and dashes
+  ``TENSORGATE_MINER_`` for the miner and ``TENSORGATE_REFERENCE_`` for the reference service, so one shell can
+  hold all three, + the flag's name in capitals, dots and dashes
   as underscores; a repeatable flag takes a comma-separated list, a switch ``true``/``false``);
 * ``[gateway] port = 8001`` in the file named by ``--config`` (or ``<PREFIX>CONFIG``): a table per dotted
   prefix, keys as the flag spells them (``keys-file = "keys.txt"``, top-level ``netuid = 7``).
@@ -33,6 +34,7 @@ from typing import Any
 
 VALIDATOR_PREFIX = "TENSORGATE_"
 MINER_PREFIX = "TENSORGATE_MINER_"
+REFERENCE_PREFIX = "TENSORGATE_REFERENCE_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

@@ -91,3 +91,11 @@ def test_start_up_failures_are_one_line_and_exit_2(tmp_path: Path, capsys: pytes
     assert main([*base, "--chain.connect-retries", "1", "--chain.fallback", f"ws://127.0.0.1:{closed}"]) == 2
     err = capsys.readouterr().err
     assert f"cannot reach ws://127.0.0.1:{closed} after 2 attempts" in err and "Traceback" not in err
+
+
+def test_the_reference_service_reads_its_own_prefix(tmp_path: Path) -> None:
+    from neurons.reference.__main__ import parse_args as reference_args
+
+    cfg_file = _file(tmp_path, 'threads = 4\nhost = "0.0.0.0"\n')
+    args = reference_args(["--config", cfg_file], env={"TENSORGATE_REFERENCE_PORT": "8111", "TENSORGATE_PORT": "1"})
+    assert (args.threads, args.host, args.port, args.model) == (4, "0.0.0.0", 8111, "packaged")

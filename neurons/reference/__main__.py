@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from loguru import logger
 
 from ..model.packaged import ModelUnavailable
+from ..settings import REFERENCE_PREFIX, add_config_flag, resolve
 from ..supervise import until_stop_signal
 from .llama import LlamaReference
 from .server import OpenReferenceRefused, start_reference_service
@@ -33,15 +35,21 @@ async def _run(args: argparse.Namespace, path: Path | None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Flags, then ``TENSORGATE_REFERENCE_<FLAG>`` variables, then ``--config``'s TOML file (neurons.settings)."""
     p = argparse.ArgumentParser(prog="python -m neurons.reference", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flag(p, REFERENCE_PREFIX)
     p.add_argument("--model", default="packaged", help="GGUF file of the subnet's model, or 'packaged'")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--threads", type=int, default=1, help="CPU threads of the model")
     p.add_argument("--context", type=int, default=4096, help="context in tokens (longer answers are not audited)")
-    args = p.parse_args(argv)
+    return resolve(p, argv, env, prefix=REFERENCE_PREFIX)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
     try:
