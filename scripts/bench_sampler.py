@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_lib.stats import table  # noqa: E402
 
 from gateway.protocol.sampling import (  # noqa: E402
-    _GOLDEN,
+    GOLDEN,
+    MIX1,
+    MIX2,
     SamplingParams,
     asked_logprobs,
     contenders,
@@ -52,14 +54,14 @@ PROMPTS = ["Write a short story about a lighthouse keeper.", "Explain how vaccin
 def spec_gumbel(seed: int, position: int, vocab: int) -> np.ndarray:
     """The variates as the spec writes them (and as the sampler computed them before): one expression a step."""
     def mix(x: np.ndarray) -> np.ndarray:
-        x = x + np.uint64(_GOLDEN)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x + np.uint64(GOLDEN)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(MIX1)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(MIX2)
         return x ^ (x >> np.uint64(31))
 
     base = np.uint64(mix64(seed ^ mix64(position)))
     with np.errstate(over="ignore"):
-        h = mix(base + np.arange(vocab, dtype=np.uint64) * np.uint64(_GOLDEN))
+        h = mix(base + np.arange(vocab, dtype=np.uint64) * np.uint64(GOLDEN))
     u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
     return -np.log(-np.log(u))
 

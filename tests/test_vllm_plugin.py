@@ -15,7 +15,7 @@ import types
 import numpy as np
 import pytest
 
-from gateway.protocol.sampling import SEED_MAX, SamplingParams, gumbel, seeded_token
+from gateway.protocol.sampling import GOLDEN, SEED_MAX, SamplingParams, gumbel, mix64, seeded_token
 
 torch = pytest.importorskip("torch")
 
@@ -28,28 +28,21 @@ from neurons.miner.vllm_plugin.sampler import (  # noqa: E402
     subnet_tokens,
 )
 
-_MASK = (1 << 64) - 1
-
-
-def _mix(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+_MASK = (1 << 64) - 1  # the spec's integer mix64 is checked against splitmix64 written out in test_audit_forcing
 
 
 def test_the_hash_is_the_specs_bit_for_bit_and_the_variates_to_the_last_place() -> None:
     ids = torch.arange(262_144, dtype=torch.int64)
     for seed, position in ((0, 0), (42, 3), (SEED_MAX, 4095), (2**62 + 12345, 100_000)):
         bits = hash53(torch.tensor(row_base(seed, position)), ids).tolist()
-        base = _mix(seed ^ _mix(position))
+        base = mix64(seed ^ mix64(position))
         for i in (0, 1, 7, 1000, 65_535, 262_143):  # the spec in plain integers
-            assert bits[i] == _mix((base + i * 0x9E3779B97F4A7C15) & _MASK) >> 11, (seed, position, i)
+            assert bits[i] == mix64((base + i * GOLDEN) & _MASK) >> 11, (seed, position, i)
         spec = gumbel(seed, position, 262_144)
         got = gumbel_at(torch.tensor(row_base(seed, position)), ids).numpy()
         assert np.abs(got - spec).max() <= 4 * np.spacing(np.abs(spec)).max()  # numpy's log and torch's round apart
     # the spec's worked example
-    h = _mix((_mix(42 ^ _mix(3)) + 7 * 0x9E3779B97F4A7C15) & _MASK)
+    h = mix64((mix64(42 ^ mix64(3)) + 7 * GOLDEN) & _MASK)
     u7 = ((h >> 11) + 0.5) / 2.0**53
     assert float(gumbel_at(torch.tensor(row_base(42, 3)), torch.tensor([7]))[0]) == pytest.approx(
         -math.log(-math.log(u7)), rel=1e-15)

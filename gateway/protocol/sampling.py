@@ -80,14 +80,17 @@ def is_seed(v: Any) -> bool:
 
 
 _U64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+# splitmix64's constants: the spec's, named once for every runtime that computes it (the vLLM plugin's torch code)
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
 
 
 def mix64(x: int) -> int:
     """splitmix64's finaliser on one unsigned 64-bit integer: a cheap, well-spread hash."""
-    x = (x + _GOLDEN) & _U64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    x = (x + GOLDEN) & _U64
+    x = ((x ^ (x >> 30)) * MIX1) & _U64
+    x = ((x ^ (x >> 27)) * MIX2) & _U64
     return x ^ (x >> 31)
 
 
@@ -113,15 +116,15 @@ def gumbel_at(seed: int, position: int, ids: npt.NDArray[Any]) -> FloatArray:
     x = ids.astype(np.uint64)  # a copy: the caller's ids are left alone
     t = np.empty_like(x)
     with np.errstate(over="ignore"):
-        x *= np.uint64(_GOLDEN)
+        x *= np.uint64(GOLDEN)
         x += base
-        x += np.uint64(_GOLDEN)  # from here, mix64 in place
+        x += np.uint64(GOLDEN)  # from here, mix64 in place
         np.right_shift(x, np.uint64(30), out=t)
         x ^= t
-        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x *= np.uint64(MIX1)
         np.right_shift(x, np.uint64(27), out=t)
         x ^= t
-        x *= np.uint64(0x94D049BB133111EB)
+        x *= np.uint64(MIX2)
         np.right_shift(x, np.uint64(31), out=t)
         x ^= t
         x >>= np.uint64(11)
@@ -148,7 +151,7 @@ def _largest_finite_variate() -> float:
 # argmax could differ (about once in 3e10 tokens on a 262k vocabulary). A hair of slack, relative to the scores
 # (whose rounding grows with them: at temperature 1e-5 a scaled logit is ~1e6), covers rounding.
 GUMBEL_MAX = _largest_finite_variate()
-_PRUNE_SLACK = 1e-9
+PRUNE_SLACK = 1e-9
 
 
 def contenders(scaled: FloatArray, seed: int, position: int, allowed: npt.NDArray[np.bool_] | None = None
@@ -163,7 +166,7 @@ def contenders(scaled: FloatArray, seed: int, position: int, allowed: npt.NDArra
     masked = scaled if allowed is None else np.where(allowed, scaled, -np.inf)
     top = int(np.argmax(masked))
     first = float(masked[top]) + float(gumbel_at(seed, position, np.array([top]))[0])
-    keep = masked >= first - GUMBEL_MAX - _PRUNE_SLACK * max(1.0, abs(first))  # NaN/inf first: keeps none
+    keep = masked >= first - GUMBEL_MAX - PRUNE_SLACK * max(1.0, abs(first))  # NaN/inf first: keeps none
     if not math.isfinite(first) or 4 * int(np.count_nonzero(keep)) > keep.shape[0]:
         every = _every_id(keep.shape[0])
         score = gumbel_at(seed, position, every)

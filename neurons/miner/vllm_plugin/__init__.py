@@ -9,7 +9,7 @@ each request's seed as ``vllm_xargs.tensorgate_seed``, the processor keeps only 
 each sampled row (:mod:`.sampler`, torch), and vLLM's own sampling can then pick nothing else.
 
 ``SubnetSampler`` (:mod:`.processor`) implements vLLM's Model Runner V2 interface (vLLM 0.34's only one); it is
-loaded lazily here so that :mod:`.sampler` imports with torch alone.
+loaded lazily here so that :mod:`.sampler` imports without vLLM (torch and the numpy spec only).
 """
 
 from __future__ import annotations

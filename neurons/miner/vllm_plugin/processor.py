@@ -24,8 +24,10 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
 
+from gateway.protocol.sampling import GREEDY_BELOW, is_seed
+
 from . import SEED_ARG
-from .sampler import GREEDY_BELOW, SEED_MAX, keep_only, row_base, subnet_tokens
+from .sampler import keep_only, row_base, subnet_tokens
 
 
 def requested_seed(params: Any) -> int | None:
@@ -34,7 +36,7 @@ def requested_seed(params: Any) -> int | None:
     if SEED_ARG not in extra:
         return None
     seed = extra[SEED_ARG]
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_MAX:
+    if not is_seed(seed):
         raise ValueError(f"{SEED_ARG} must be an integer in 0..2**63-1, got {seed!r}")
     return seed
 

@@ -2,9 +2,10 @@
 
 The spec is :mod:`gateway.protocol.sampling` (numpy): a sampled token is the argmax, over the asked nucleus, of
 ``logit / temperature + gumbel(seed, position, id)``, the variate hashed with splitmix64 from the three numbers.
-This file computes the same tokens, bit for bit on the hash (``tests/test_vllm_plugin.py`` checks it against the
-spec and its worked example; the logs after it agree to the last place or so), with only torch: it is imported
-inside vLLM's worker, which has no numpy spec of ours and should not need the rest of this package.
+This file computes the same tokens on rows of torch tensors, bit for bit on the hash (``tests/test_vllm_plugin.py``
+checks it against the spec and its worked example; the logs after it agree to the last place or so). The spec's
+constants and its integer ``mix64`` come from the spec itself, which needs only numpy (vLLM has it); nothing else of
+this package is imported inside vLLM's worker.
 
 Why int64: torch's uint64 supports few operations. The hash needs only addition, multiplication and xor modulo
 2**64, which two's-complement int64 computes with the same bits, and logical right shifts, which are arithmetic
@@ -27,26 +28,13 @@ import math
 
 import torch
 
-_U64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
-GREEDY_BELOW = 1e-5  # as gateway.protocol.sampling: a temperature this low is greedy decoding
-SEED_MAX = (1 << 63) - 1
+from gateway.protocol.sampling import GOLDEN, GUMBEL_MAX, MIX1, MIX2, PRUNE_SLACK, mix64
 
 
 def _signed(x: int) -> int:
     """An unsigned 64-bit integer as the int64 with the same bits."""
-    x &= _U64
+    x &= (1 << 64) - 1
     return x - (1 << 64) if x >> 63 else x
-
-
-def mix64(x: int) -> int:
-    """splitmix64's finaliser on one unsigned 64-bit Python int (the spec's ``mix64``, for per-row constants)."""
-    x = (x + _GOLDEN) & _U64
-    x = ((x ^ (x >> 30)) * _M1) & _U64
-    x = ((x ^ (x >> 27)) * _M2) & _U64
-    return x ^ (x >> 31)
 
 
 def row_base(seed: int, position: int) -> int:
@@ -59,7 +47,7 @@ def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-_GOLDEN_S, _M1_S, _M2_S = _signed(_GOLDEN), _signed(_M1), _signed(_M2)
+_GOLDEN_S, _M1_S, _M2_S = _signed(GOLDEN), _signed(MIX1), _signed(MIX2)
 
 
 def hash53(bases: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -79,15 +67,6 @@ def gumbel_at(bases: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     audit's near-tie band."""
     u = (hash53(bases, ids).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
     return -torch.log(-torch.log(u))
-
-
-def _largest_finite_variate() -> float:
-    u = (float((1 << 53) - 2) + 0.5) * (1.0 / (1 << 53))
-    return -math.log(-math.log(u))
-
-
-GUMBEL_MAX = _largest_finite_variate()  # as the spec's: no variate is larger but the one-in-2**53 infinite one
-_PRUNE_SLACK = 1e-9
 
 
 def nucleus(scaled: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -122,7 +101,7 @@ def subnet_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     if prune:
         top = torch.argmax(scaled, dim=-1)
         first = scaled.gather(-1, top.unsqueeze(-1)).squeeze(-1) + gumbel_at(b, top)
-        bound = first - GUMBEL_MAX - _PRUNE_SLACK * first.abs().clamp(min=1.0)
+        bound = first - GUMBEL_MAX - PRUNE_SLACK * first.abs().clamp(min=1.0)
         bound = torch.where(torch.isfinite(first), bound, -math.inf)  # as the spec: no bound known, hash every token
         keep = scaled >= bound.unsqueeze(-1)
         if 4 * int(keep.sum()) <= keep.numel():
