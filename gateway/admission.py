@@ -17,6 +17,7 @@ that a request is refused at once.
 Example::
 
     queue = AdmissionQueue(router, wait_s=10.0)
+    router.on_room = queue.wake    # what frees a slot lets the waiting go (the gateway wires this)
     await queue.admit("alice")     # returns at once while a slot is free; raises the 429 past the bound
 """
 
@@ -39,7 +40,6 @@ class AdmissionQueue:
         self._granted = 0  # grants given whose request has not resumed yet
         self.waited = 0  # requests that waited and were let through
         self.timed_out = 0  # requests that waited their bound and got the 429
-        router.on_release = self.wake
 
     @property
     def waiting(self) -> int:

@@ -136,6 +136,7 @@ class Gateway:
         self.router = router
         self.upstream = upstream
         self.admission = AdmissionQueue(router, wait_s=config.queue_s)
+        router.on_room = self.admission.wake  # a freed slot lets a waiting request go
         self.auth = ApiKeyAuth(config.api_keys)
         self.quota = QuotaBook()  # usage and limits per key name
         # Called with every admitted request (the validator keeps its shape, never its text, for probes).

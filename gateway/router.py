@@ -234,9 +234,9 @@ class Router:
         # forced picks (everyone else busy) is not repaid by starving that miner for an hour after.
         self._vt = 0.0
         self._wsum = 1.0
-        # Called after every release, and when slots or membership change: the gateway's admission queue
-        # (gateway.admission) lets a waiting request go. None: nobody waits.
-        self.on_release: Callable[[], None] | None = None
+        # Called whenever room may have freed (a release, a miner's slots or the membership changed): the gateway
+        # wires its admission queue's wake here (gateway.admission), which lets waiting requests go. None: no one.
+        self.on_room: Callable[[], None] | None = None
 
     # -- membership and scores -------------------------------------------------------------------
 
@@ -263,8 +263,8 @@ class Router:
                 self._miners[uid] = m
                 self._bucket_in(m)
         self._reweigh()
-        if self.on_release is not None:  # new miners: room for those waiting
-            self.on_release()
+        if self.on_room is not None:  # new miners: room for those waiting
+            self.on_room()
 
     def set_scores(self, scores: Mapping[str, float]) -> None:
         """Routing scores keyed by hotkey (so a re-registered UID cannot inherit a score)."""
@@ -349,8 +349,8 @@ class Router:
         m.slots = n
         if live:
             self._bucket_in(m)
-        if self.on_release is not None:
-            self.on_release()
+        if self.on_room is not None:
+            self.on_room()
 
     def acquire_uid(self, uid: int) -> Lease | None:
         """Count one request in flight on a specific miner (probes), so organic routing sees it too."""
@@ -381,8 +381,8 @@ class Router:
             m.served += 1
         if live:
             self._bucket_in(m)
-        if self.on_release is not None:
-            self.on_release()
+        if self.on_room is not None:
+            self.on_room()
 
     # -- inspection ------------------------------------------------------------------------------
 

@@ -17,6 +17,13 @@ from tests.fakes import MODEL, Script
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+def _queue(router: Router, wait_s: float) -> AdmissionQueue:
+    """An admission queue wired to its router as the gateway wires it."""
+    queue = AdmissionQueue(router, wait_s=wait_s)
+    router.on_room = queue.wake
+    return queue
+
+
 def _router(slots: int = 1) -> Router:
     r = Router(rng=random.Random(0))
     r.sync([Candidate(uid=1, hotkey="hk1", endpoint="127.0.0.1:1", slots=slots)])
@@ -25,7 +32,7 @@ def _router(slots: int = 1) -> Router:
 
 async def test_a_free_slot_admits_at_once_and_a_full_one_waits_for_a_release() -> None:
     router = _router()
-    queue = AdmissionQueue(router, wait_s=5.0)
+    queue = _queue(router, 5.0)
     await asyncio.wait_for(queue.admit("a"), 0.1)  # room: the fast path
     lease = router.acquire()
     assert lease is not None and not router.has_room()
@@ -41,7 +48,7 @@ async def test_a_burst_of_one_key_does_not_starve_another() -> None:
     """Key A queues 20 requests, then key B 3: slots freed one at a time go to the keys in turn, so B's three
     are through within the first six grants, not after A's twenty."""
     router = _router()
-    queue = AdmissionQueue(router, wait_s=30.0)
+    queue = _queue(router, 30.0)
     held = router.acquire()
     assert held is not None
     order: list[str] = []
@@ -66,7 +73,7 @@ async def test_a_burst_of_one_key_does_not_starve_another() -> None:
 
 async def test_the_wait_is_bounded_then_a_429_with_retry_after() -> None:
     router = _router()
-    queue = AdmissionQueue(router, wait_s=0.3)
+    queue = _queue(router, 0.3)
     assert router.acquire() is not None
     t0 = time.monotonic()
     with pytest.raises(GatewayError) as e:
@@ -75,13 +82,13 @@ async def test_the_wait_is_bounded_then_a_429_with_retry_after() -> None:
     assert e.value.status == 429 and e.value.headers.get("Retry-After") and e.value.code == "no_capacity"
     assert 0.29 <= waited < 2.0 and queue.timed_out == 1 and queue.waiting == 0
     with pytest.raises(GatewayError):  # 0 s: the 429 at once, as before the queue
-        await AdmissionQueue(router, wait_s=0.0).admit("a")
+        await _queue(router, 0.0).admit("a")
 
 
 async def test_a_waiter_that_leaves_passes_its_grant_on() -> None:
     """A client that hangs up while queued leaves the queue; one granted but gone hands the slot to the next."""
     router = _router()
-    queue = AdmissionQueue(router, wait_s=5.0)
+    queue = _queue(router, 5.0)
     lease = router.acquire()
     assert lease is not None
     gone = asyncio.create_task(queue.admit("a"))
