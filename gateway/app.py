@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -46,6 +47,7 @@ from .http.server import HttpServer, is_loopback
 from .metrics import METRICS_KEY_ENV, GatewayCollector
 from .protocol.errors import (
     GatewayError,
+    bad_request,
     invalid_json,
     model_not_found,
     payload_too_large,
@@ -53,7 +55,15 @@ from .protocol.errors import (
     shutting_down,
     unauthorized,
 )
-from .protocol.openai import CHAT_PATH, DEFAULT_MAX_TOKENS, ChatRequest, SchemaLimits, parse_chat_request
+from .protocol.openai import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    SchemaLimits,
+    parse_chat_request,
+    parse_completion_request,
+)
 from .protocol.request_id import request_id
 from .protocol.tokens import PromptCounter
 from .quota import KeyPolicy, QuotaBook, Refusal
@@ -137,6 +147,7 @@ class Gateway:
         self.upstream = upstream
         self.admission = AdmissionQueue(router, wait_s=config.queue_s)
         router.on_room = self.admission.wake  # a freed slot lets a waiting request go
+        router.default_model = config.models[0]  # what a miner that declares no models serves: the subnet's model
         self.auth = ApiKeyAuth(config.api_keys)
         self.quota = QuotaBook()  # usage and limits per key name
         # Called with every admitted request (the validator keeps its shape, never its text, for probes).
@@ -150,6 +161,7 @@ class Gateway:
         self.relay = Relay(config.relay_config(), router, upstream, self.outcomes)
         self._routes: dict[str, dict[str, Route]] = {
             CHAT_PATH: {"POST": self._chat},
+            COMPLETIONS_PATH: {"POST": self._completions},
             "/v1/models": {"GET": self._models},
             "/v1/status": {"GET": self._status},
             "/health": {"GET": self._health},
@@ -347,17 +359,38 @@ class Gateway:
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
+    def served_models(self) -> list[str]:
+        """The configured models some routable miner serves now (all of them while no miner is routable: nothing
+        is known yet, and a request then gets the relay's own 429/503, not a 404)."""
+        if not self.router.routable():
+            return list(self.config.models)
+        offered = self.router.offered()
+        return [m for m in self.config.models if m in offered]
+
     async def _models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         self._authorize(headers)
-        await send_json(send, 200, {"object": "list", "data": [_model_object(m) for m in self.config.models]})
+        await send_json(send, 200, {"object": "list", "data": [_model_object(m) for m in self.served_models()]})
 
     async def _model(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         """``GET /v1/models/{id}`` (OpenAI's ``models.retrieve``): the model, or 404 ``model_not_found``."""
         self._authorize(headers)
         model = scope["path"][len(MODEL_PATH):]
-        if model not in self.config.models:
+        if model not in self.served_models():
             raise model_not_found(model)
         await send_json(send, 200, _model_object(model))
+
+    def _check_servable(self, req: ChatRequest) -> None:
+        """404 for a model no routable miner serves now, 400 naming the first field no miner serving the model
+        declared (``tools``, ``logprobs``, ...): refused by name, never sent to a miner that would ignore it."""
+        router = self.router
+        if not router.routable():
+            return  # nothing known: the relay answers (429 or 503)
+        if not router.can_serve(req.model):
+            raise model_not_found(req.model)
+        if req.needs and not router.can_serve(req.model, req.needs):
+            field = next(f for f in sorted(req.needs) if not router.can_serve(req.model, {f}))
+            raise bad_request(f"'{field}' is not served for {req.model} by any miner now", param=field,
+                              code="unsupported_parameter")
 
     async def _status(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         policy = self._authorize(headers)
@@ -376,6 +409,9 @@ class Gateway:
                 "requests": st.requests if st else 0,
                 "ok": st.ok if st else 0,
                 "failures": dict(st.failures) if st else {},
+                "unaudited": dict(st.skipped) if st else {},  # answers no audit can check, by rule (not paid)
+                "models": sorted(m.models) or [self.config.models[0]],
+                "features": sorted(m.features),
                 "ttft_p50_s": st.ttft_p50() if st else None,
             })
         usage = self.quota.usage.get(policy.name)
@@ -390,7 +426,11 @@ class Gateway:
                                     "dispatched": self.upstream.dispatched, "outcomes": dict(self.outcomes),
                                     "miners": miners, "key": key})
 
-    async def _chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+    async def _completions(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
+        await self._chat(scope, headers, receive, send, parse=parse_completion_request)
+
+    async def _chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send,
+                    parse: Callable[[Any, SchemaLimits], ChatRequest] = parse_chat_request) -> None:
         if self.stopping:  # a kept-alive connection asking during the drain: another replica should serve it
             raise shutting_down()
         policy = self._authorize(headers)  # from the head: an unauthenticated client cannot make us read its body
@@ -399,11 +439,14 @@ class Gateway:
             body = json.loads(raw)
         except (ValueError, RecursionError):
             raise invalid_json() from None
-        req = parse_chat_request(body, self.limits)
+        req = parse(body, self.limits)
+        self._check_servable(req)
         if self.stopping:  # the body came in after the stop began
             raise shutting_down()
         prompt_tokens = await self._prompt_tokens(policy, req)
-        ticket = self.quota.admit(policy, prompt_tokens + req.max_tokens, time.time())
+        if prompt_tokens != req.prompt_tokens:  # the usage a client reads is what its key was charged
+            req = dataclasses.replace(req, prompt_tokens=prompt_tokens)
+        ticket = self.quota.admit(policy, prompt_tokens + req.n * req.max_tokens, time.time())
         if isinstance(ticket, Refusal):
             raise rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
                                ticket.retry_after_s)

@@ -152,20 +152,21 @@ class StreamMeter:
                 raise MeterFailure(FailureReason.GARBAGE, str(e)) from None
             self.last_event_at = now
             ids = chunk.token_ids
-            n = len(ids) if ids else (1 if chunk.content else 0)  # the ids it names, else one per content chunk
+            text = chunk.content if chunk.tool_calls is None else chunk.text  # a tool call's name and arguments too
+            n = len(ids) if ids else (1 if text else 0)  # the ids it names, else one per content chunk
             if n:
                 if self.tokens + n > self.max_tokens:
                     raise MeterFailure(FailureReason.OVERLONG, f"more than max_tokens={self.max_tokens} tokens")
                 self.tokens += n
                 if ids and self.keep_answer:
                     self.ids += ids
-            if chunk.content:
-                self.chars += len(chunk.content)
+            if text:
+                self.chars += len(text)
                 if self.chars > self.max_chars:
                     raise MeterFailure(FailureReason.GARBAGE, f"more than {self.max_chars} characters of text for "
                                                               f"max_tokens={self.max_tokens}")
                 if self.budget is not None:
-                    cost = len(chunk.content) + HELD_CHUNK_OVERHEAD
+                    cost = len(text) + HELD_CHUNK_OVERHEAD
                     if self.budget.take(cost):
                         self.held += cost
                     elif self.must_hold:
@@ -179,7 +180,7 @@ class StreamMeter:
                 if not ids:
                     self.ids_complete = False
                 if self.keep_answer:
-                    self.text.append(chunk.content)
+                    self.text.append(text)
                 if self.ttft_s is None:
                     self.ttft_s = now - self.started_at
                     self._first_in_flight = in_flight

@@ -19,6 +19,11 @@ reads from the miner only when the client took the last write (ASGI ``send`` app
 socket's back-pressure), so a slow client slows the miner's TCP stream instead of filling memory, and
 no miner deadline runs while the relay waits on the client.
 
+A request for ``n`` answers (``n`` > 1) is served by ``n`` such lives at once, each its own miner, its own
+measurement and its own audit, merged into one response (:class:`Reply`): ``choices[i]`` for answer ``i``,
+the head with the first answer's first frames, ``[DONE]`` after the last. Once the client has bytes, one
+answer failing ends the response with an error event and the others are stopped.
+
 Example::
 
     relay = Relay(RelayConfig(max_retries=2), router, upstream, outcomes=Counter())
@@ -32,6 +37,7 @@ import dataclasses
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +54,7 @@ from .protocol.errors import (
     shutting_down,
 )
 from .protocol.openai import ChatRequest
+from .protocol.sampling import GOLDEN, SEED_MAX, is_seed
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
 from .router import Router
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
@@ -55,8 +62,18 @@ from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
 _IDS = random.Random()  # response ids need to be unique, not secret: no urandom syscall per request
 
 
-def _completion_id() -> str:
-    return f"chatcmpl-{_IDS.getrandbits(128):032x}"
+def _completion_id(req: ChatRequest) -> str:
+    return f"{'cmpl' if req.completion else 'chatcmpl'}-{_IDS.getrandbits(128):032x}"
+
+
+def choice_payload(req: ChatRequest, index: int) -> dict[str, Any]:
+    """What the miner of answer ``index`` is asked: the request, with a client's seed moved along for every answer
+    after the first (each of n answers is its own draw, and a seeded request still repeats exactly)."""
+    payload = req.upstream_payload()
+    seed = payload.get("seed")
+    if index and isinstance(seed, int) and is_seed(seed):
+        payload["seed"] = (seed + index * GOLDEN) & SEED_MAX
+    return payload
 
 
 MIN_ATTEMPT_S = 1.0  # a retry is not started with less of the first-byte budget left than this
@@ -71,6 +88,42 @@ class RelayConfig:
     # first_token deadline). Without it three miners that stall before their first byte cost a client
     # 3 x 30 s before a 504.
     first_byte_budget_s: float = 30.0
+
+
+class Reply:
+    """The client's one response, shared by a request's answers: the head goes out with the first frames any
+    answer commits, each answer writes its frames as they come, the usage and ``[DONE]`` go after the last."""
+
+    def __init__(self, send: Send, served_by_header: str, n: int) -> None:
+        self._send = send
+        self._header = served_by_header.lower().encode("latin-1")
+        self.started = False
+        self._lock = asyncio.Lock() if n > 1 else None  # answers write whole messages, one at a time
+
+    async def write(self, data: bytes, uid: int, *, last: bool = False) -> None:
+        if self._lock is None:
+            await self._write(data, uid, last)
+            return
+        async with self._lock:
+            await self._write(data, uid, last)
+
+    async def _write(self, data: bytes, uid: int, last: bool) -> None:
+        if not self.started:
+            self.started = True
+            await self._send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no"), (self._header, str(uid).encode())]})
+        await self._send({"type": "http.response.body", "body": data, "more_body": not last})
+
+
+class _Broken(Exception):
+    """An answer failed after the client had bytes: the response ends with this error frame and ``[DONE]``;
+    ``delivered``: the tokens of it the client got (what it is charged)."""
+
+    def __init__(self, error: GatewayError, delivered: int) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.delivered = delivered
 
 
 class Relay:
@@ -103,17 +156,94 @@ class Relay:
         The server cancels this when the client leaves, which frees the miner's slot.
         """
         try:
-            return await self.dispatch(req, send)
+            if req.n == 1:
+                return await self.dispatch(req, send)
+            return await self._serve_many(req, send)
         except asyncio.CancelledError:
             self.outcomes["client_disconnect"] += 1
             raise
 
     async def dispatch(self, req: ChatRequest, send: Send) -> int:
-        """Serve ``req`` from the first miner that produces content, trying others before the first byte.
+        """Serve a one-answer ``req``; raises :class:`GatewayError` when no miner produced a byte."""
+        cid, created = _completion_id(req), int(time.time())
+        if req.stream:
+            reply = Reply(send, self.config.served_by_header, 1)
+            out = ChunkFramer(cid, created, req.model, completion=req.completion)
+            held = [b""]
 
-        Raises :class:`GatewayError` when no miner produced a byte (the client gets that error instead).
+            async def relay(s: UpstreamStream) -> None:
+                held[0] = await self._relay(reply, req, s, out)
+
+            try:
+                stream = await self._answer(req, 0, relay)
+            except _Broken as e:
+                self.outcomes["stream_error"] += 1
+                await reply.write(frame(e.error.body()) + DONE_FRAME, 0, last=True)
+                return e.delivered
+            tail = [out.usage(self._usage(req, [stream]))] if req.include_usage else []
+            # an answer that came whole before the first write leaves in one message, head to [DONE]
+            await reply.write(b"".join([held[0], *tail, DONE_FRAME]), stream.uid, last=True)
+            self.outcomes["200"] += 1
+            return stream.tokens
+        choices: list[dict[str, Any]] = [{}]
+        stream = await self._answer(req, 0, lambda s: self._assemble(req, s, choices, 0))
+        await self._send_whole(send, req, cid, created, choices, [stream])
+        return stream.tokens
+
+    async def _serve_many(self, req: ChatRequest, send: Send) -> int:
+        """``n`` answers at once, each from its own miner, merged into one response (the module's docstring)."""
+        cid, created = _completion_id(req), int(time.time())
+        streams: list[UpstreamStream | None] = [None] * req.n
+        if not req.stream:
+            choices: list[dict[str, Any]] = [{} for _ in range(req.n)]
+
+            async def whole(i: int) -> None:
+                streams[i] = await self._answer(req, i, lambda s: self._assemble(req, s, choices, i))
+
+            await _all(whole(i) for i in range(req.n))
+            done = [s for s in streams if s is not None]
+            await self._send_whole(send, req, cid, created, choices, done)
+            return sum(s.tokens for s in done)
+        reply = Reply(send, self.config.served_by_header, req.n)
+        outs = [ChunkFramer(cid, created, req.model, index=i, completion=req.completion) for i in range(req.n)]
+        opened: list[UpstreamStream | None] = [None] * req.n  # each answer's latest stream: what it delivered
+
+        async def relay(i: int, s: UpstreamStream) -> None:
+            opened[i] = s
+            rest = await self._relay(reply, req, s, outs[i])
+            if rest:
+                await reply.write(rest, s.uid)
+
+        async def streamed(i: int) -> None:
+            streams[i] = await self._answer(req, i, lambda s: relay(i, s))
+
+        try:
+            await _all(streamed(i) for i in range(req.n))
+        except (_Broken, GatewayError) as e:
+            if not reply.started:
+                raise  # no answer reached the client: an error response of its own
+            self.outcomes["stream_error"] += 1
+            error = e.error if isinstance(e, _Broken) else e
+            await reply.write(frame(error.body()) + DONE_FRAME, 0, last=True)
+            return sum(s.tokens for s in self._streams_of(opened))
+        done = self._streams_of(streams)
+        tail = [outs[0].usage(self._usage(req, done))] if req.include_usage else []
+        await reply.write(b"".join([*tail, DONE_FRAME]), done[0].uid, last=True)
+        self.outcomes["200"] += 1
+        return sum(s.tokens for s in done)
+
+    @staticmethod
+    def _streams_of(streams: list[UpstreamStream | None]) -> list[UpstreamStream]:
+        return [s for s in streams if s is not None]
+
+    async def _answer(self, req: ChatRequest, index: int,
+                      consume: Callable[[UpstreamStream], Awaitable[None]]) -> UpstreamStream:
+        """Answer ``index`` of ``req`` from the first miner whose stream ``consume`` takes, trying others while
+        ``consume`` raises :class:`UpstreamError` (it does only before the client has a byte of this answer).
+
+        Raises :class:`GatewayError` when no miner produced a byte, :class:`_Broken` when the stream failed after.
         """
-        payload = req.upstream_payload()
+        payload = choice_payload(req, index)
         tried: set[int] = set()
         failures: list[UpstreamError] = []
         rejected: list[UpstreamError] = []  # miners that called the request the client's fault
@@ -128,7 +258,7 @@ class Relay:
             timeouts = base if first_token == base.first_token else dataclasses.replace(base, first_token=first_token)
             if self.stopping:
                 raise shutting_down()
-            lease = self.router.acquire(exclude=tried)
+            lease = self.router.acquire(exclude=tried, model=req.model, needs=req.needs)
             if lease is None:
                 break
             tried.add(lease.miner.uid)
@@ -153,10 +283,7 @@ class Relay:
                     stream.close(FailureReason.SHUTDOWN)
                 async with stream:
                     try:
-                        if req.stream:
-                            await self._relay(send, req, stream)
-                        else:  # the client sees nothing until the whole answer is in
-                            await self._assemble(send, req, stream)
+                        await consume(stream)
                     except UpstreamError as e:  # raised only while the client has seen no byte: try another
                         if e.reason == FailureReason.LOCAL_RESOURCES:  # the gateway's memory, not the miner
                             self.outcomes["503"] += 1
@@ -164,7 +291,7 @@ class Relay:
                         failures.append(e)
                         continue
                     served = stream.ok
-                    return stream.tokens
+                    return stream
             finally:
                 if stream is not None:
                     self._live.discard(stream)
@@ -181,19 +308,21 @@ class Relay:
     def _served_by(self, stream: UpstreamStream) -> dict[str, Any]:
         return {"miner_uid": stream.uid, "miner_hotkey": stream.hotkey}
 
-    def _usage(self, req: ChatRequest, stream: UpstreamStream) -> dict[str, int]:
-        # completion tokens are the gateway's own count; the prompt size is the miner's (it tokenized it)
-        # when it reported a sane one, else the gateway's estimate
-        prompt = (stream.usage or {}).get("prompt_tokens", req.prompt_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": stream.tokens, "total_tokens": prompt + stream.tokens}
+    def _usage(self, req: ChatRequest, streams: list[UpstreamStream]) -> dict[str, int]:
+        """Completion tokens are the gateway's own count (what the key is charged), summed over the answers. The
+        prompt, read once for all of them, is what the gateway counted for the key's limits (``req.prompt_tokens``):
+        a miner's own count would make the usage disagree with what was charged."""
+        completion = sum(s.tokens for s in streams)
+        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": req.prompt_tokens + completion}
 
-    async def _relay(self, send: Send, req: ChatRequest, stream: UpstreamStream) -> None:
-        """Stream the answer; raises UpstreamError only while the client has seen nothing (try another miner).
+    async def _relay(self, reply: Reply, req: ChatRequest, stream: UpstreamStream, out: ChunkFramer) -> bytes:
+        """Stream one answer; raises UpstreamError only while the client has seen nothing of it (try another miner),
+        :class:`_Broken` when it fails after. Returns the frames not written yet (the caller's last write takes them).
 
-        Reads before the first content are held back; the read that brings it sends the head and every
-        frame so far in one go. From then on each miner read is one body message.
+        Reads before the first content are held back; the read that brings it sends (with the head, for the first
+        answer) every frame so far in one go. From then on each miner read is one body message.
         """
-        out = ChunkFramer(_completion_id(), int(time.time()), req.model)  # built while the miner prefills
         head: list[ChunkInfo] = []
         while not _has_content(head):
             batch = await stream.next_batch()  # raises when it failed before any content: another miner is tried
@@ -202,43 +331,26 @@ class Relay:
             head += batch
         parts: list[bytes] = []
         self._frames(out, head, parts, first=True, stream=stream)  # committed: no other miner may follow
-        start = {"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-            (self.config.served_by_header.lower().encode("latin-1"), str(stream.uid).encode())]}
-        if stream.finished:  # the whole answer came before the first write: one write for all of it
-            await send(start)
-            await self._end(send, req, stream, out, parts)
-            return
-        await send(start)
-        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+        if stream.finished:  # the whole answer came before the first write: the caller's write ends it
+            return b"".join(parts)
+        await reply.write(b"".join(parts), stream.uid)
         parts.clear()
         try:
             while batch := await stream.next_batch():
                 self._frames(out, batch, parts)
                 if parts:
-                    await send({"type": "http.response.body", "body": b"".join(parts), "more_body": True})
+                    await reply.write(b"".join(parts), stream.uid)
                     parts.clear()
         except UpstreamError as e:
-            self.outcomes["stream_error"] += 1
-            body = frame(_mid_stream_error(e).body()) + DONE_FRAME
-            await send({"type": "http.response.body", "body": body, "more_body": False})
-            return
-        await self._end(send, req, stream, out, parts)
-
-    async def _end(self, send: Send, req: ChatRequest, stream: UpstreamStream, out: ChunkFramer,
-                   parts: list[bytes]) -> None:
-        if req.include_usage:
-            parts.append(out.usage(self._usage(req, stream)))
-        parts.append(DONE_FRAME)
-        await send({"type": "http.response.body", "body": b"".join(parts), "more_body": False})
-        self.outcomes["200"] += 1
+            raise _Broken(_mid_stream_error(e), stream.tokens) from None
+        return b"".join(parts)
 
     def _frames(self, out: ChunkFramer, chunks: list[ChunkInfo], parts: list[bytes], *, first: bool = False,
                 stream: UpstreamStream | None = None) -> None:
-        """Append the client frames for ``chunks``; the first frame of a response names role and miner."""
+        """Append the client frames for ``chunks``; the first frame of an answer names role and miner."""
         for ch in chunks:
-            if not first and ch.role is None and ch.finish_reason is None:
+            if not first and ch.role is None and ch.finish_reason is None and ch.tool_calls is None \
+                    and ch.logprobs is None:
                 if ch.content:
                     parts.append(out.content(ch.content))  # the hot path: one token
                 continue  # usage or empty keep-alive chunk: the gateway sends its own usage
@@ -247,37 +359,81 @@ class Relay:
                 delta["role"] = ch.role
             if ch.content or ch.role:
                 delta["content"] = ch.content
-            if not delta and ch.finish_reason is None:
+            if ch.tool_calls is not None:
+                delta["tool_calls"] = list(ch.tool_calls)
+            if not delta and ch.finish_reason is None and ch.logprobs is None:
                 continue
             if first:
                 assert stream is not None
                 delta.setdefault("role", "assistant")
-                parts.append(frame(out.chunk(delta, ch.finish_reason, tensorgate=self._served_by(stream))))
+                parts.append(frame(out.chunk(delta, ch.finish_reason, ch.logprobs,
+                                             tensorgate=self._served_by(stream))))
                 first = False
             else:
-                parts.append(frame(out.chunk(delta, ch.finish_reason)))
+                parts.append(frame(out.chunk(delta, ch.finish_reason, ch.logprobs)))
 
-    async def _assemble(self, send: Send, req: ChatRequest, stream: UpstreamStream) -> None:
+    async def _assemble(self, req: ChatRequest, stream: UpstreamStream, choices: list[dict[str, Any]],
+                        index: int) -> None:
+        """Read one whole answer into ``choices[index]`` (the client sees nothing until every answer is in)."""
         parts: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        logprobs: list[dict[str, Any]] | None = None
         while batch := await stream.next_batch():  # UpstreamError: the caller tries another miner
-            parts += [ch.content for ch in batch]
-        body = {
-            "id": _completion_id(),
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                         "logprobs": None, "finish_reason": stream.finish_reason or "stop"}],
-            "usage": self._usage(req, stream),
-            "tensorgate": self._served_by(stream),
-        }
+            for ch in batch:
+                parts.append(ch.content)
+                if ch.tool_calls is not None:
+                    _merge_calls(calls, ch.tool_calls)
+                if ch.logprobs is not None:
+                    logprobs = (logprobs or []) + ch.logprobs["content"]
+        content = "".join(parts)
+        finish = stream.finish_reason or "stop"
+        if req.completion:
+            choices[index] = {"text": content, "index": index, "logprobs": None, "finish_reason": finish}
+            return
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = [calls[k] for k in sorted(calls)]
+        choices[index] = {"index": index, "message": message,
+                          "logprobs": None if logprobs is None else {"content": logprobs}, "finish_reason": finish,
+                          "tensorgate": self._served_by(stream)}
+
+    async def _send_whole(self, send: Send, req: ChatRequest, cid: str, created: int, choices: list[dict[str, Any]],
+                          streams: list[UpstreamStream]) -> None:
+        body: dict[str, Any] = {"id": cid, "object": "text_completion" if req.completion else "chat.completion",
+                                "created": created, "model": req.model, "choices": choices,
+                                "usage": self._usage(req, streams)}
+        if len(streams) == 1:
+            choices[0].pop("tensorgate", None)
+            body["tensorgate"] = self._served_by(streams[0])
         self.outcomes["200"] += 1
-        await send_json(send, 200, body, headers={self.config.served_by_header: str(stream.uid)})
+        await send_json(send, 200, body, headers={self.config.served_by_header: str(streams[0].uid)})
+
+
+def _merge_calls(calls: dict[int, dict[str, Any]], deltas: tuple[dict[str, Any], ...]) -> None:
+    """Fold streamed tool-call deltas into whole calls: id and type as first named, name and arguments joined."""
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        if d.get("id"):
+            call["id"] = call["id"] or d["id"]
+        fn = d.get("function") or {}
+        call["function"]["name"] += fn.get("name", "")
+        call["function"]["arguments"] += fn.get("arguments", "")
+
+
+async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` together; the first to raise cancels the others (and is raised once they have ended)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _has_content(chunks: list[ChunkInfo]) -> bool:
     """Whether these chunks commit a stream to its miner: nothing is sent before content (or a finish)."""
-    return any(ch.content or ch.finish_reason is not None for ch in chunks)
+    return any(ch.content or ch.tool_calls or ch.finish_reason is not None for ch in chunks)
 
 
 def _exhausted(failures: list[UpstreamError]) -> GatewayError:

@@ -16,6 +16,11 @@ Two refinements, both measured by ``scripts/soak.py``:
 * *Zero scores last.* A miner scored 0 (dead, lying, hopeless) is chosen only when no miner with a
   positive score is eligible at any load, so a card that died leaves organic routing as soon as a
   round has scored it; probes keep measuring it and bring it back when it recovers.
+* *Only miners that serve the request.* A request for a model goes only to miners that declared it (a miner that
+  declared nothing serves the default model), and one using a feature (tools, logprobs, ...) only to miners that
+  declared that feature too. When every miner serves what is asked (the usual subnet of one model) the pick
+  takes the same path as before: the check is cached per (model, features) until an offer or the membership
+  changes.
 * *Quarantine is out.* A miner whose answers failed their audits (:meth:`Router.set_quarantined`)
   is never picked for organic traffic, not even as a last resort: a user must not get an answer
   the validator knows to be wrong. Probes still reach it (:meth:`Router.acquire_uid`).
@@ -71,6 +76,10 @@ class MinerState:
     passes: float = 0.0  # stride-scheduling pass: grows by 1/score per dispatch
     quarantined: bool = False  # failed its audits: out of organic routing, reachable by probes only
     declares_sampler: bool = False  # its last answer declared the subnet's sampler (Upstream.learn_sampler)
+    # What it declared it serves (its signed /health, gateway.offers): the models, and the request features beyond
+    # plain chat (gateway.protocol.openai.FEATURES). No models declared: the router's default model, no features.
+    models: frozenset[str] = frozenset()
+    features: frozenset[str] = frozenset()
     bucket_load: float = field(default=0.0, repr=False)  # the router's bookkeeping: the load bucket it sits in
 
     @property
@@ -234,6 +243,8 @@ class Router:
         # forced picks (everyone else busy) is not repaid by starving that miner for an hour after.
         self._vt = 0.0
         self._wsum = 1.0
+        self.default_model: str | None = None  # what a miner that declared no models serves (None: any)
+        self._everyone: dict[tuple[str | None, frozenset[str]], bool] = {}  # (model, needs) every miner serves
         # Called whenever room may have freed (a release, a miner's slots or the membership changed): the gateway
         # wires its admission queue's wake here (gateway.admission), which lets waiting requests go. None: no one.
         self.on_room: Callable[[], None] | None = None
@@ -263,6 +274,7 @@ class Router:
                 self._miners[uid] = m
                 self._bucket_in(m)
         self._reweigh()
+        self._everyone.clear()
         if self.on_room is not None:  # new miners: room for those waiting
             self.on_room()
 
@@ -297,18 +309,53 @@ class Router:
 
     # -- choice ----------------------------------------------------------------------------------
 
-    def pick(self, exclude: AbstractSet[int] = frozenset()) -> MinerState | None:
+    def learn_offer(self, m: MinerState, models: frozenset[str], features: frozenset[str]) -> None:
+        """What a miner declared it serves (gateway.offers); no models: the default model."""
+        if m.models != models or m.features != features:
+            m.models, m.features = models, features
+            self._everyone.clear()
+            if self.on_room is not None:
+                self.on_room()
+
+    def serves(self, m: MinerState, model: str | None, needs: AbstractSet[str] = frozenset()) -> bool:
+        """Whether ``m`` declared ``model`` (None: any) and every feature in ``needs``."""
+        if model is not None and model not in m.models and (m.models or model != (self.default_model or model)):
+            return False
+        return needs <= m.features
+
+    def offered(self) -> set[str]:
+        """The models some routable miner serves now (``/v1/models``)."""
+        out: set[str] = set()
+        for m in self._miners.values():
+            if not m.quarantined:
+                out |= m.models or ({self.default_model} if self.default_model else set())
+        return out
+
+    def can_serve(self, model: str, needs: AbstractSet[str] = frozenset()) -> bool:
+        """Some routable miner serves ``model`` with ``needs`` (busy or not)."""
+        return any(not m.quarantined and self.serves(m, model, needs) for m in self._miners.values())
+
+    def _for_everyone(self, model: str | None, needs: frozenset[str]) -> bool:
+        key = (model, needs)
+        hit = self._everyone.get(key)
+        if hit is None:
+            hit = self._everyone[key] = all(self.serves(m, model, needs) for m in self._miners.values())
+        return hit
+
+    def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
+             needs: frozenset[str] = frozenset()) -> MinerState | None:
         """The miner the next request should go to, or None when nothing is eligible."""
         zero_only: list[MinerState] | None = None  # the least-loaded miners, if all scored 0
+        everyone = (model is None and not needs) or self._for_everyone(model, needs)
         for load in sorted(self._buckets):
             bucket = self._buckets[load]
-            if not exclude:
+            if not exclude and everyone:
                 if bucket.positive:
                     return self._less_served(bucket.pick(self._rng), bucket.pick(self._rng))
                 if zero_only is None:
                     zero_only = bucket.order
                 continue
-            rest = [m for m in bucket.order if m.uid not in exclude]
+            rest = [m for m in bucket.order if m.uid not in exclude and (everyone or self.serves(m, model, needs))]
             scored = [m for m in rest if self._weight(m) > 0.0]
             if scored:
                 weights = [self._weight(m) for m in scored]
@@ -332,9 +379,10 @@ class Router:
         pa, pb = self._pass(a), self._pass(b)
         return b if pb < pa else a  # equal: a, itself a random draw
 
-    def acquire(self, exclude: AbstractSet[int] = frozenset()) -> Lease | None:
-        """Pick a miner and count one request in flight on it."""
-        m = self.pick(exclude)
+    def acquire(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
+                needs: frozenset[str] = frozenset()) -> Lease | None:
+        """Pick a miner (among those serving ``model`` with ``needs``) and count one request in flight on it."""
+        m = self.pick(exclude, model, needs)
         return None if m is None else self.acquire_uid(m.uid)
 
     def learn_slots(self, m: MinerState, slots: int) -> None:

@@ -49,6 +49,7 @@ from scoring.measurement import Answer, FailureReason, Measurement, MeasurementS
 from .buckets import DECODE_BOUNDS_TOK_S, TTFT_BOUNDS_S, Buckets
 from .http.client import MinerClient
 from .metering import AnswerBudget, MeterFailure, StreamMeter
+from .offers import audit_skip
 from .protocol.errors import CLIENT_FAULT_CODES
 from .protocol.openai import (
     CHAT_PATH,
@@ -92,6 +93,9 @@ class UpstreamLimits:
     # Send each request the subnet sampler's seed (gateway.protocol.sampling): sampled answers are then
     # audited token by token. False: free draws, audited by plausibility only (for miners on stock runtimes).
     seeded_sampling: bool = True
+    # The model the reference audits (None: any). Answers on another model are not audited (``skipped="model"``):
+    # a reference per model is not built yet.
+    audited_model: str | None = None
 
 
 REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
@@ -155,6 +159,7 @@ class MinerStats:
     requests: int = 0
     ok: int = 0
     failures: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)  # answers no audit can check, by rule (/v1/status)
 
     def ttft_p50(self) -> float | None:
         return statistics.median(self.ttfts) if self.ttfts else None
@@ -233,6 +238,8 @@ class Upstream:
             st.ok += 1
         elif m.failure is not None:
             st.failures[m.failure] += 1
+        if m.skipped is not None:
+            st.skipped[m.skipped] += 1
         if m.ttft_s is not None:
             st.ttfts.append(m.ttft_s)
             st.ttft_s.observe(m.ttft_s)
@@ -306,10 +313,13 @@ class UpstreamStream:
         sampling = SamplingParams.of(body)
         self.sampling = sampling if lease.miner.declares_sampler else replace(sampling, seed=None)
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))
+        self.skipped = audit_skip(body, sampling.greedy) or (
+            "model" if limits.audited_model not in (None, body.get("model")) else None)
         self._body = encode_body(body)
+        keep = limits.keep_answers and self.skipped is None  # an answer no audit can check is not kept for one
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,
-                                 max_content_chars=limits.max_content_chars, keep_answer=limits.keep_answers,
-                                 budget=upstream.answers if held or limits.keep_answers else None, must_hold=held)
+                                 max_content_chars=limits.max_content_chars, keep_answer=keep,
+                                 budget=upstream.answers if held or keep else None, must_hold=held)
         self._payload = payload
         self._resp: aiohttp.ClientResponse | None = None
         self._timer: asyncio.TimerHandle | None = None  # the one deadline timer of the streaming phase
@@ -383,6 +393,7 @@ class UpstreamStream:
             slots=self.lease.slots_at_dispatch,
             capacity_check=self.capacity_check,
             free_draw=not self.sampling.greedy and self.sampling.seed is None,
+            skipped=self.skipped,
         )
         self.measurement = m
         meter.release()

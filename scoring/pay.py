@@ -30,6 +30,10 @@ Why this shape, against what miners were seen doing (issue 14):
   checked exactly (its greedy answers, and every answer once it runs the sampler: the vLLM plugin,
   :mod:`neurons.miner.vllm_plugin`). So declaring no sampler never pays more than running it, and declaring it
   without running it fails the audits (``wrong_tokens``).
+* An answer **no audit can check** is not paid either (where the validator audits), for the same reason: tools,
+  JSON mode, a ``logit_bias``, ``top_k``/``min_p`` on a sampled answer, a model the validator has no reference
+  for (:func:`gateway.offers.audit_skip`). Those requests say what they are, so any pay for them would pay a
+  miner for junk it sends on exactly those (issue 27). Each round's table counts them (``skip``).
 * A prompt is paid at prefill speed, which is the work it takes; a long prompt answered fast earns no
   more than that, and never more than the time to first token shows was spent: an answer that comes
   before the prompt could have been read was not computed now (issue 23: a miner whose owner sent it
@@ -87,10 +91,10 @@ def peak_decode_rate(cfg: CreditConfig) -> float:
 
 def paid_tokens(m: Measurement, *, audits: bool) -> int:
     """Output tokens of ``m`` that are paid: none for probes, failures, an early stop no audit confirmed, or (where
-    the validator audits) a free draw."""
+    the validator audits) a free draw or an answer no audit can check (``skipped``)."""
     if m.probe or not m.ok:
         return 0
-    if audits and m.free_draw:
+    if audits and (m.free_draw or m.skipped is not None):
         return 0
     if audits and m.stopped_early and not m.audited:
         return 0

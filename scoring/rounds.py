@@ -70,6 +70,7 @@ class MinerRound:
     organic: int = 0
     audited: int = 0  # answers teacher-forced on the reference (failed ones also count in failures)
     free_draws: int = 0  # sampled answers from a miner that declared no subnet sampler (not paid where audited)
+    skipped: int = 0  # answers no audit can check (gateway.offers.audit_skip; not paid where audited)
     ttft_samples: list[float] = field(default_factory=list)  # successful requests only
     failures: Counter[str] = field(default_factory=Counter)
 
@@ -134,6 +135,8 @@ class RoundAccumulator:
             row.organic += 1
         if m.free_draw:
             row.free_draws += 1
+        if m.skipped is not None:
+            row.skipped += 1
         if m.audited:
             row.audited += 1
             if m.ok and not m.probe:  # a probe passing says nothing of how users are served

@@ -79,6 +79,7 @@ class MinerReport:
     settled_value: float = 0.0  # trailing-window value after this round: what weights follow
     capacity: float = 1.0  # routing multiplier from the capacity checks (scoring.capacity)
     free_draws: int = 0  # sampled answers drawn without the subnet's sampler (the miner declared none): not paid
+    skipped: int = 0  # answers no audit can check (tools, JSON mode, ...: gateway.offers.audit_skip): not paid
 
     @property
     def audit_passed(self) -> int:
@@ -107,12 +108,13 @@ class RoundReport:
         capacity multiplier of routing (:mod:`scoring.capacity`); ``work_s``: paid
         card-seconds this round; ``value``: settled card-equivalents (weights follow it); ``audit``:
         passed/audited answers this round; ``Q`` marks a quarantined miner; ``free``: sampled answers drawn without
-        the subnet's sampler (the miner declared none), audited for plausibility only and not paid.
+        the subnet's sampler (the miner declared none), audited for plausibility only and not paid; ``skip``: answers
+        no audit can check (tools, JSON mode, ...; ``/v1/status`` names the rules), not paid either.
         """
         w = weights or {}
         head = f"{'uid':>5} {'hotkey':<12} {'req':>5} {'meas':>5} {'ttft50':>7} {'ttft95':>7} " \
                f"{'credit':>6} {'settled':>7} {'cards':>5} {'work_s':>7} {'value':>7} {'weight':>6} " \
-               f"{'audit':>7} {'free':>5}  failures"
+               f"{'audit':>7} {'free':>5} {'skip':>5}  failures"
         lines = [f"round {self.index}: {len(self.rows)} miners", head]
         for r in sorted(self.rows, key=lambda r: (r.uid, r.hotkey)):
             fails = ",".join(f"{k}={v}" for k, v in sorted(r.failures.items())) or "-"
@@ -121,7 +123,7 @@ class RoundReport:
             lines.append(
                 f"{r.uid:>5} {_short(r.hotkey):<12} {r.requests:>5} {r.measured:>5} {_secs(r.ttft_p50):>7} "
                 f"{_secs(r.ttft_p95):>7} {r.credit:6.3f} {r.settled:7.3f} {r.capacity:5.2f} {r.work_s:7.2f} "
-                f"{r.settled_value:7.4f} {weight} {audit:>7} {r.free_draws:>5}  {fails}"
+                f"{r.settled_value:7.4f} {weight} {audit:>7} {r.free_draws:>5} {r.skipped:>5}  {fails}"
             )
         if self.dropped:
             lines.append(f"({self.dropped} measurements could not be recorded)")
@@ -254,7 +256,7 @@ class Scorer:
             pay = pays[hk]
             rows.append(MinerReport(uid, hk, row.requests, row.measured, p50, p95, row.score, settled[hk],
                                     dict(row.failures), row.probes, row.organic, row.audited, row.work_s, pay.total,
-                                    sv, self.capacity.multiplier(hk), row.free_draws))
+                                    sv, self.capacity.multiplier(hk), row.free_draws, row.skipped))
             stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
                                       dict(row.failures), work_s=row.work_s, value=pay.verified,
                                       unverified=pay.unverified, audits_passed=pay.passed, audits_failed=pay.failed,

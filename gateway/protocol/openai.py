@@ -18,25 +18,35 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import bad_request, model_not_found
 from .tokens import estimate_prompt_tokens
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-# Accepted but not served: refusing is better than pretending.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction")
-# Every field the gateway reads: passed to the miner (the sampling fields), used by the gateway itself (``stream``,
-# ``stream_options``, ``max_tokens``, ``user``: the end user's id, kept from miners), or refused by name unless at
-# its default (``n``, ``logprobs``, ``top_logprobs``, ``response_format``, UNSUPPORTED). Anything else given a value
-# is refused by name too (``logit_bias``, ``top_k``, ``min_p``, ...): a 200 that silently ignored a field would
-# give the client an answer it did not ask for (issue 27).
+# Refused by name: not served by any runtime the subnet runs (``functions``/``function_call`` are the deprecated
+# spelling of ``tools``, refused with a pointer to it rather than translated).
+UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options")
+# What a miner declares it serves beyond plain chat (``features`` in its signed /health, gateway.offers): a request
+# using one goes only to miners that declared it, and is refused by name when no routable miner did.
+TOOLS, RESPONSE_FORMAT, LOGPROBS, LOGIT_BIAS, TOP_K, MIN_P = (
+    "tools", "response_format", "logprobs", "logit_bias", "top_k", "min_p")
+FEATURES = frozenset({TOOLS, RESPONSE_FORMAT, LOGPROBS, LOGIT_BIAS, TOP_K, MIN_P})
+# Every field the gateway reads: passed to the miner (sampling and feature fields), used by the gateway itself
+# (``stream``, ``stream_options``, ``max_tokens``, ``n``: answered by n miners, ``user``: the end user's id, kept
+# from miners), or refused by name (UNSUPPORTED). Anything else given a value is refused by name too: a 200 that
+# silently ignored a field would give the client an answer it did not ask for (issue 27).
 KNOWN_FIELDS = frozenset({
     "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "presence_penalty", "frequency_penalty", "stop", "seed", "n", "user", "logprobs", "top_logprobs",
-    "response_format", *UNSUPPORTED,
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "top_k", "min_p", *UNSUPPORTED,
 })
+MAX_N = 8  # answers one request may ask for (each is one miner's stream)
+MAX_TOOLS = 128
+MAX_TOP_LOGPROBS = 20
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function name, as OpenAI allows it
 
 
 DEFAULT_MAX_TOKENS = 256  # completion length when a request names none
@@ -69,6 +79,9 @@ class ChatRequest:
     max_tokens: int
     sampling: dict[str, Any] = field(default_factory=dict)
     prompt_tokens: int = 0
+    n: int = 1  # answers asked for: each from its own miner (gateway.relay), each measured and audited alone
+    needs: frozenset[str] = frozenset()  # FEATURES the request uses: only miners declaring them all may serve it
+    completion: bool = False  # a /v1/completions request: answered as ``text_completion`` objects
 
     def upstream_payload(self) -> dict[str, Any]:
         """What the client asked a miner for; :func:`miner_body` makes it the body on the wire."""
@@ -158,6 +171,26 @@ def _content(value: Any, param: str) -> str | list[dict[str, str]]:
     raise bad_request("content must be a string or a list of text parts", param=param)
 
 
+def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls (agent history), rebuilt from the fields OpenAI defines."""
+    if not isinstance(value, list) or not value or len(value) > MAX_TOOLS:
+        raise bad_request(f"'tool_calls' must be a list of 1 to {MAX_TOOLS} calls", param=param)
+    out = []
+    for j, call in enumerate(value):
+        p = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function":
+            raise bad_request("a tool call is {'id', 'type': 'function', 'function': {'name', 'arguments'}}", param=p)
+        cid, name, args = call.get("id"), fn.get("name"), fn.get("arguments")
+        if not isinstance(cid, str) or not cid or not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise bad_request("a tool call needs a string 'id' and a function 'name'", param=p)
+        if not isinstance(args, str):
+            raise bad_request("function 'arguments' must be a string (JSON text)", param=f"{p}.function.arguments")
+        out.append({"id": _text(cid, f"{p}.id"), "type": "function",
+                    "function": {"name": name, "arguments": _text(args, f"{p}.function.arguments")}})
+    return out
+
+
 def _messages(value: Any, limits: SchemaLimits) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' must be a non-empty list", param="messages")
@@ -171,15 +204,25 @@ def _messages(value: Any, limits: SchemaLimits) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:  # a list or object role is unhashable: a 400, not a 500
             raise bad_request(f"role must be one of {sorted(ROLES)}", param=f"{p}.role")
-        if "content" not in m or (m["content"] is None and role != "assistant"):
+        calls = m.get("tool_calls")
+        if calls is not None and role != "assistant":
+            raise bad_request("only assistant messages carry 'tool_calls'", param=f"{p}.tool_calls")
+        if "content" not in m and calls is None or (m.get("content") is None and role != "assistant"):
             raise bad_request("content is required", param=f"{p}.content")
-        msg: dict[str, Any] = {"role": role, "content": "" if m["content"] is None else _content(m["content"],
-                                                                                            f"{p}.content")}
+        content = m.get("content")
+        msg: dict[str, Any] = {"role": role, "content": "" if content is None else _content(content, f"{p}.content")}
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):
                 raise bad_request("name must be a string", param=f"{p}.name")
             msg["name"] = _text(name, f"{p}.name")
+        if calls is not None:
+            msg["tool_calls"] = _tool_calls(calls, f"{p}.tool_calls")
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            if not isinstance(cid, str) or not cid:
+                raise bad_request("a tool message needs the 'tool_call_id' it answers", param=f"{p}.tool_call_id")
+            msg["tool_call_id"] = _text(cid, f"{p}.tool_call_id")
         out.append(msg)
     return out
 
@@ -224,14 +267,10 @@ def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
                               code="unsupported_parameter")
     for name in UNSUPPORTED:
         if body.get(name) is not None:
-            raise bad_request(f"'{name}' is not supported by this gateway", param=name, code="unsupported_parameter")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad_request("'logprobs' is not supported by this gateway", param="logprobs",
-                          code="unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format",
-                          code="unsupported_parameter")
+            hint = " (use 'tools' and 'tool_choice')" if name.startswith("function") else ""
+            raise bad_request(f"'{name}' is not supported by this gateway{hint}", param=name,
+                              code="unsupported_parameter")
+    options, needs = _features(body)
 
     stream = body.get("stream", False)
     if stream is None:
@@ -251,8 +290,8 @@ def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
         include_usage = iu
 
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad_request("only n=1 is supported", param="n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+        raise bad_request(f"'n' must be an integer from 1 to {MAX_N}", param="n")
 
     sampling: dict[str, Any] = {}
     for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0),
@@ -268,6 +307,7 @@ def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
         if not _is_int(seed):
             raise bad_request("'seed' must be an integer", param="seed")
         sampling["seed"] = seed
+    sampling.update(options)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", param="user")
@@ -280,4 +320,151 @@ def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
         max_tokens=_max_tokens(body, limits),
         sampling=sampling,
         prompt_tokens=estimate_prompt_tokens(messages),
+        n=n or 1,
+        needs=frozenset(needs),
     )
+
+
+def _features(body: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """The feature fields a request uses, checked and rebuilt, and the FEATURES a miner needs to serve them.
+
+    A field at its "off" value (``logprobs: false``, ``top_k: -1``, ``response_format: text``, an empty
+    ``logit_bias``) is not passed on and needs nothing: a client library's defaults never narrow the miners.
+    """
+    out: dict[str, Any] = {}
+    needs: set[str] = set()
+    tools = body.get("tools")
+    if tools is not None:
+        out["tools"] = _tools(tools)
+        needs.add(TOOLS)
+    for name in ("tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None and tools is None:
+            raise bad_request(f"'{name}' needs 'tools'", param=name)
+    choice = body.get("tool_choice")
+    if choice is not None:
+        names = {t["function"]["name"] for t in out["tools"]}
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        if not (choice in ("none", "auto", "required") or (isinstance(fn, dict) and choice.get("type") == "function"
+                                                           and fn.get("name") in names)):
+            raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
+                              "'function': {'name': <one of the tools>}}", param="tool_choice")
+        out["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                      "function": {"name": fn["name"]}}  # type: ignore[index]
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise bad_request("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+        out["parallel_tool_calls"] = parallel
+    rf = body.get("response_format")
+    if rf is not None:
+        kind = rf.get("type") if isinstance(rf, dict) else None
+        if kind == "json_object":
+            out["response_format"] = {"type": "json_object"}
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not _NAME.fullmatch(js["name"]) \
+                    or not isinstance(js.get("schema", {}), dict) or not isinstance(js.get("strict", False), bool):
+                raise bad_request("'json_schema' must be {'name': str, 'schema': object, 'strict': bool}",
+                                  param="response_format.json_schema")
+            out["response_format"] = {"type": "json_schema", "json_schema": {
+                k: js[k] for k in ("name", "description", "schema", "strict") if k in js}}
+        elif kind != "text":
+            raise bad_request("'response_format' type must be 'text', 'json_object' or 'json_schema'",
+                              param="response_format")
+        if "response_format" in out:
+            needs.add(RESPONSE_FORMAT)
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("'logprobs' must be a boolean", param="logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs")
+        if not logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if logprobs:
+        out["logprobs"] = True
+        if top is not None:
+            out["top_logprobs"] = top
+        needs.add(LOGPROBS)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > 1024 or not all(
+                isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 for k in bias):
+            raise bad_request("'logit_bias' must map at most 1024 token ids (strings of digits) to numbers",
+                              param="logit_bias")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and -100 <= v <= 100 for v in bias.values()):
+            raise bad_request("'logit_bias' values must be numbers from -100 to 100", param="logit_bias")
+        if bias:
+            out["logit_bias"] = {k: bias[k] for k in bias}
+            needs.add(LOGIT_BIAS)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or top_k < -1:
+            raise bad_request("'top_k' must be an integer: -1 or 0 for off, else at least 1", param="top_k")
+        if top_k > 0:
+            out["top_k"] = top_k
+            needs.add(TOP_K)
+    min_p = _number(body, "min_p", 0.0, 1.0)
+    if min_p:
+        out["min_p"] = min_p
+        needs.add(MIN_P)
+    return out, needs
+
+
+def _tools(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value or len(value) > MAX_TOOLS:
+        raise bad_request(f"'tools' must be a list of 1 to {MAX_TOOLS} tools", param="tools")
+    out, seen = [], set()
+    for i, tool in enumerate(value):
+        p = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function":
+            raise bad_request("a tool is {'type': 'function', 'function': {'name', 'description', 'parameters'}}",
+                              param=p)
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in seen:
+            raise bad_request("a function needs a unique 'name' of letters, digits, '_' or '-' (at most 64)",
+                              param=f"{p}.function.name")
+        seen.add(name)
+        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("parameters", {}), dict) \
+                or not isinstance(fn.get("strict", False), bool):
+            raise bad_request("'description' must be a string, 'parameters' a JSON schema object, 'strict' a bool",
+                              param=f"{p}.function")
+        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters", "strict")
+                                                      if k in fn}})
+    return out
+
+
+COMPLETIONS_PATH = "/v1/completions"
+# The legacy completions API: the fields it shares with chat mean the same; these are its own.
+_COMPLETION_ONLY = frozenset({"prompt", "suffix", "echo", "best_of", "logprobs"})
+
+
+def parse_completion_request(body: Any, limits: SchemaLimits) -> ChatRequest:
+    """A ``/v1/completions`` body as the chat request it is served as: the prompt is one user message.
+
+    Miners serve chat (their runtime renders the subnet's chat template, and the audit forces that render), so a
+    completion is the model's answer to the prompt as a user turn, as OpenRouter serves completions on chat
+    models: not a raw continuation of the text. ``suffix``, ``echo``, ``best_of`` > 1 and ``logprobs`` (the legacy
+    shape) are refused by name.
+    """
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_request("'prompt' must be a non-empty string (token-id prompts and batches are not served)",
+                          param="prompt")
+    for name, off in (("suffix", None), ("echo", False), ("best_of", 1), ("logprobs", None)):
+        v = body.get(name)
+        if v is not None and v != off and not (name == "logprobs" and v == 0):
+            raise bad_request(f"'{name}' is not supported on /v1/completions", param=name,
+                              code="unsupported_parameter")
+    chat = {k: v for k, v in body.items() if k not in _COMPLETION_ONLY}
+    for name in ("messages", "tools", "tool_choice", "parallel_tool_calls", "response_format", "top_logprobs"):
+        if name in chat:
+            raise bad_request(f"'{name}' is a chat field: use /v1/chat/completions", param=name,
+                              code="unsupported_parameter")
+    chat["messages"] = [{"role": "user", "content": prompt}]
+    return replace(parse_chat_request(chat, limits), completion=True)

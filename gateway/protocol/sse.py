@@ -128,6 +128,17 @@ class ChunkInfo:
     finish_reason: str | None
     usage: dict[str, int] | None
     token_ids: tuple[int, ...] | None = None  # the ids the miner says spell ``content`` (vLLM's return_token_ids)
+    tool_calls: tuple[dict[str, Any], ...] | None = None  # delta.tool_calls, rebuilt (:func:`_tool_call_deltas`)
+    logprobs: dict[str, Any] | None = None  # choice.logprobs, rebuilt (:func:`_logprobs`)
+
+    @property
+    def text(self) -> str:
+        """What the model wrote in this chunk: the content, and a tool call's name and arguments (the tokens a
+        tool-call delta stands for: TTFT ends at it, and it is counted like content)."""
+        if self.tool_calls is None:
+            return self.content
+        return self.content + "".join(c.get("function", {}).get("name", "") + c.get("function", {}).get(
+            "arguments", "") for c in self.tool_calls)
 
 
 def _reject_constant(name: str) -> float:
@@ -186,6 +197,82 @@ def _usage(value: Any) -> dict[str, int] | None:
     return out
 
 
+MAX_TOOL_CALLS = 128  # tool calls one answer may make (as the gateway's MAX_TOOLS)
+MAX_TOKEN_CHARS = 256  # one logprobs entry's token text
+
+
+def _short(value: Any, limit: int, what: str) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise SSEGarbage(f"{what} is not a string of at most {limit} characters")
+    return value
+
+
+def _tool_call_deltas(value: Any, max_chars: int) -> tuple[dict[str, Any], ...]:
+    """``delta.tool_calls`` as OpenAI streams them (index, then id/type/name once, arguments in pieces), rebuilt
+    from the fields it defines: a miner's extra keys never reach a client."""
+    if not isinstance(value, list) or not value or len(value) > MAX_TOOL_CALLS:
+        raise SSEGarbage(f"delta.tool_calls is not a list of 1 to {MAX_TOOL_CALLS} calls")
+    out = []
+    for call in value:
+        if not isinstance(call, dict):
+            raise SSEGarbage("a tool call delta is not an object")
+        index = call.get("index")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < MAX_TOOL_CALLS:
+            raise SSEGarbage("tool call delta has no valid index")
+        d: dict[str, Any] = {"index": index}
+        if call.get("id") is not None:
+            d["id"] = _short(call["id"], 128, "tool call id")
+        if call.get("type") is not None:
+            if call["type"] != "function":
+                raise SSEGarbage("tool call type is not function")
+            d["type"] = "function"
+        fn = call.get("function")
+        if fn is not None:
+            if not isinstance(fn, dict):
+                raise SSEGarbage("tool call function is not an object")
+            f: dict[str, str] = {}
+            if fn.get("name") is not None:
+                f["name"] = _short(fn["name"], 64, "tool call name")
+            if fn.get("arguments") is not None:
+                f["arguments"] = _short(fn["arguments"], max_chars, "tool call arguments")
+            d["function"] = f
+        out.append(d)
+    return tuple(out)
+
+
+def _logprob_entry(e: Any, top: bool) -> dict[str, Any]:
+    if not isinstance(e, dict):
+        raise SSEGarbage("a logprobs entry is not an object")
+    lp = e.get("logprob")
+    if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp):
+        raise SSEGarbage("logprob is not a finite number")
+    b = e.get("bytes")
+    if b is not None and (not isinstance(b, list) or len(b) > 4 * MAX_TOKEN_CHARS or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 255 for x in b)):
+        raise SSEGarbage("logprobs bytes is not a list of bytes")
+    out: dict[str, Any] = {"token": _short(e.get("token"), MAX_TOKEN_CHARS, "logprobs token"),
+                           "logprob": float(lp), "bytes": b}
+    if top:
+        alts = e.get("top_logprobs") or []
+        if not isinstance(alts, list) or len(alts) > 20:
+            raise SSEGarbage("top_logprobs is not a list of at most 20 entries")
+        out["top_logprobs"] = [_logprob_entry(a, False) for a in alts]
+    return out
+
+
+def _logprobs(value: Any, max_entries: int) -> dict[str, Any] | None:
+    """``choice.logprobs`` (``{"content": [{token, logprob, bytes, top_logprobs}]}``), rebuilt; shown to the client
+    as the miner's own figures (the audit never reads them)."""
+    if value is None:
+        return None
+    content = value.get("content") if isinstance(value, dict) else None
+    if content is None:
+        return None
+    if not isinstance(content, list) or len(content) > max_entries:
+        raise SSEGarbage(f"logprobs.content is not a list of at most {max_entries} entries")
+    return {"content": [_logprob_entry(e, True) for e in content]}
+
+
 def parse_chunk(data: str, max_content_chars: int = 4096) -> ChunkInfo:
     """Validate one event's data as a chat-completion chunk (n=1)."""
     obj = loads_strict(data)
@@ -224,7 +311,10 @@ def parse_chunk(data: str, max_content_chars: int = 4096) -> ChunkInfo:
     if finish is not None and (not isinstance(finish, str) or finish not in _FINISH):  # a list is unhashable
         raise SSEGarbage("unknown finish_reason")
     ids = _token_ids(choice.get("token_ids"), max_content_chars)
-    return ChunkInfo(role=role, content=content, finish_reason=finish, usage=usage, token_ids=ids)
+    calls = delta.get("tool_calls")  # vLLM writes [] on content chunks
+    return ChunkInfo(role=role, content=content, finish_reason=finish, usage=usage, token_ids=ids,
+                     tool_calls=None if calls is None or calls == [] else _tool_call_deltas(calls, max_content_chars),
+                     logprobs=_logprobs(choice.get("logprobs"), max_content_chars))
 
 
 # Characters that end or escape a JSON string (or are not allowed in one): a string body free of
@@ -342,28 +432,40 @@ def frame(obj: Any) -> bytes:
 
 
 class ChunkFramer:
-    """The client-bound ``chat.completion.chunk`` frames of one response, constant parts encoded once.
+    """The client-bound chunk frames of one answer (``index``: its choice), constant parts encoded once.
 
     ``content(text)`` is byte-for-byte ``frame(chunk(delta={"content": text}))``; everything else
-    (the first chunk, role, finish) goes through :meth:`chunk` and :func:`frame`.
+    (the first chunk, role, finish) goes through :meth:`chunk` and :func:`frame`. ``completion``: the
+    legacy ``text_completion`` shape (``choices[i].text``) of ``/v1/completions``.
     """
 
-    __slots__ = ("id", "created", "model", "_head", "_tail", "_with_ids")
+    __slots__ = ("id", "created", "model", "index", "completion", "_head", "_tail", "_with_ids")
 
-    def __init__(self, cid: str, created: int, model: str) -> None:
+    def __init__(self, cid: str, created: int, model: str, *, index: int = 0, completion: bool = False) -> None:
         self.id = cid
         self.created = created
         self.model = model
+        self.index = index
+        self.completion = completion
         self._with_ids: tuple[bytes, bytes, bytes] | None = None
         probe = frame(self.chunk({"content": _SENTINEL}, None))
         lit = encode_basestring_ascii(_SENTINEL).encode()
-        i = probe.rindex(lit)  # the delta is the last string-valued field
+        i = probe.rindex(lit)  # the delta (or text) is the last string-valued field
         self._head, self._tail = probe[:i], probe[i + len(lit):]
 
-    def chunk(self, delta: dict[str, Any], finish: str | None, **extra: Any) -> dict[str, Any]:
-        obj: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                               "model": self.model,
-                               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+    @property
+    def object(self) -> str:
+        return "text_completion" if self.completion else "chat.completion.chunk"
+
+    def chunk(self, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None,
+              **extra: Any) -> dict[str, Any]:
+        if self.completion:
+            choice: dict[str, Any] = {"index": self.index, "text": delta.get("content", ""), "logprobs": None,
+                                      "finish_reason": finish}
+        else:
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        obj: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                               "choices": [choice]}
         obj.update(extra)
         return obj
 
@@ -388,5 +490,5 @@ class ChunkFramer:
 
     def usage(self, usage: dict[str, int]) -> bytes:
         """The closing usage chunk (``choices`` empty), as OpenAI sends it with ``include_usage``."""
-        return frame({"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+        return frame({"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                       "choices": [], "usage": usage})

@@ -30,7 +30,7 @@ from .verdict import Verdict
 
 def should_audit(m: Measurement, *, rate: float, quarantined: bool, draw: float) -> bool:
     """Whether to audit ``m``; ``draw`` is a uniform [0, 1) number from the caller's private RNG."""
-    if not m.ok or m.answer is None:
+    if not m.ok or m.answer is None or m.skipped is not None:
         return False
     return m.probe or quarantined or m.stopped_early or draw < rate
 

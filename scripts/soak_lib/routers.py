@@ -28,11 +28,12 @@ MAX_LEARNED_SLOTS = 64  # /health is advisory: a miner claiming 10**6 slots must
 class DeterministicRouter(Router):
     """Least in flight with a deterministic tie-break on score: the design the project replaced."""
 
-    def pick(self, exclude: AbstractSet[int] = frozenset()) -> MinerState | None:
+    def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
+             needs: frozenset[str] = frozenset()) -> MinerState | None:
         best: MinerState | None = None
         best_key: tuple[int, float, int] | None = None
         for m in self.miners():
-            if m.uid in exclude:
+            if m.uid in exclude or not self.serves(m, model, needs):
                 continue
             key = (m.in_flight, -self._weight(m), m.uid)
             if best_key is None or key < best_key:
@@ -47,10 +48,11 @@ class SmoothRouter(Router):
         super().__init__(rng=rng, prior=prior)
         self._current: dict[tuple[int, str], float] = {}
 
-    def pick(self, exclude: AbstractSet[int] = frozenset()) -> MinerState | None:
+    def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
+             needs: frozenset[str] = frozenset()) -> MinerState | None:
         groups: dict[float, list[MinerState]] = {}
         for m in self.miners():
-            if m.uid not in exclude:
+            if m.uid not in exclude and self.serves(m, model, needs):
                 groups.setdefault(m.load, []).append(m)
         if not groups:
             return None
