@@ -20,19 +20,25 @@ Example::
 
     body, headers = signed_health(keypair, {"status": "ok", "models": ["org/model"], "features": ["tools"]})
     offer = read_offer(body, headers[SIGNATURE_HEADER], keypair.ss58_address)   # Offer(models=..., features=...)
-    offer = await fetch_offer(session, "127.0.0.1:8091", hotkey)              # over HTTP, bounded
+    offer = await fetch_offer(client, "127.0.0.1:8091", hotkey)               # over HTTP, bounded
+    await refresh_offers(router, client)                                      # every miner, into the router
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from bittensor.sp_core import Keypair
+from loguru import logger
 
+from .http.client import MinerClient
 from .protocol.openai import FEATURES
+from .router import MinerState, Router
 
 SIGNATURE_HEADER = "X-Miner-Signature"
 MAX_MODELS = 16
@@ -86,14 +92,40 @@ def read_offer(body: bytes, signature: str | None, hotkey: str) -> Offer:
     return Offer(frozenset(models), frozenset(f for f in features if f in FEATURES))  # unknown ones: ignored
 
 
-async def fetch_offer(session: aiohttp.ClientSession, endpoint: str, hotkey: str, *, timeout_s: float = 5.0) -> Offer:
+async def fetch_offer(client: MinerClient, endpoint: str, hotkey: str, *, timeout_s: float = 5.0) -> Offer:
     """GET a miner's /health and read its offer; raises :class:`OfferError` (or the transport's errors)."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with session.get(f"http://{endpoint}/health", timeout=timeout, allow_redirects=False) as r:
+    async with await client.get(endpoint, "/health", timeout_s=timeout_s) as r:
         body = await r.content.read(MAX_HEALTH_BYTES + 1)
         if len(body) > MAX_HEALTH_BYTES:
             raise OfferError(f"/health longer than {MAX_HEALTH_BYTES} bytes")
         return read_offer(body, r.headers.get(SIGNATURE_HEADER), hotkey)
+
+
+async def refresh_offers(router: Router, client: MinerClient, *, concurrency: int = 16, timeout_s: float = 5.0,
+                         miners: Iterable[MinerState] | None = None) -> dict[str, int]:
+    """Read every miner's (or ``miners``') offer into the router, ``concurrency`` at a time; returns how many were
+    read, kept
+    (unreachable: the last offer stands, a miner restarting keeps its routes) and undeclared (an answer that
+    failed a check: it serves the subnet's model, no features)."""
+    gate = asyncio.Semaphore(concurrency)
+    counts = {"read": 0, "kept": 0, "undeclared": 0}
+
+    async def one(m: MinerState) -> None:
+        async with gate:
+            try:
+                offer = await fetch_offer(client, m.endpoint, m.hotkey, timeout_s=timeout_s)
+                counts["read"] += 1
+            except OfferError as e:
+                logger.debug("uid {}: /health declares nothing ({})", m.uid, e)
+                offer = UNDECLARED
+                counts["undeclared"] += 1
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                counts["kept"] += 1
+                return
+        router.learn_offer(m, offer.models, offer.features)
+
+    await asyncio.gather(*(one(m) for m in (router.miners() if miners is None else miners)))
+    return counts
 
 
 def audit_skip(payload: dict[str, Any], greedy: bool) -> str | None:

@@ -18,7 +18,9 @@ import aiohttp
 import bittensor as bt
 import pytest
 from aiohttp import web
+from bittensor.sp_core import Keypair
 
+from gateway.offers import SIGNATURE_HEADER, OfferError, read_offer
 from gateway.protocol.openai import CHAT_PATH, SUBNET_SAMPLER
 from neurons.chain.base import NeuronInfo
 from neurons.keys import MissingKeyError, dev_keypair, load_hotkey
@@ -123,7 +125,13 @@ async def test_health_and_signed_stream(session: aiohttp.ClientSession, make_ref
         assert r.status == 200
         assert await r.json() == {"status": "ok", "hotkey": MINER.ss58_address, "slots": 3, "contexts": None, "busy": 0,
                                   "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090",
-                                  "sampler": "tensorgate-gumbel/1"}
+                                  "sampler": "tensorgate-gumbel/1", "models": [],
+                                  "features": ["logprobs", "response_format", "tools"]}
+        # signed by the miner's hotkey (gateway.offers): what it declares is this hotkey's, byte for byte
+        offer = read_offer(await r.read(), r.headers[SIGNATURE_HEADER], MINER.ss58_address)
+        assert offer.features == {"logprobs", "response_format", "tools"} and not offer.models
+        with pytest.raises(OfferError):
+            read_offer(await r.read(), r.headers[SIGNATURE_HEADER], Keypair.create_from_uri("//Eve").ss58_address)
     raw = payload(max_tokens=12)
     async with session.post(m.url + CHAT_PATH, data=raw, headers=Signer().headers(raw)) as resp:
         assert resp.status == 200
@@ -304,6 +312,7 @@ class BreaksMidStream:
 
     name = "test:breaks"
     sampler = None
+    features: frozenset[str] = frozenset()
 
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
@@ -605,7 +614,8 @@ def test_cli_serves_a_simulated_card_only_when_named_or_with_a_dev_key(capsys: p
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "neurons.miner", "--dev-key", "Bob", "--allow", VALI.ss58_address,
-           "--axon.port", "0", "--runtime.sim", "rtx5090:time_scale=20", "--slots", "2"]
+           "--axon.port", "0", "--runtime.sim", "rtx5090:time_scale=20", "--slots", "2",
+           "--serve.models", "org/a, org/b"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
@@ -625,7 +635,8 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
             health = json.loads(r.read())
         assert health == {"status": "ok", "hotkey": dev_keypair("Bob").ss58_address, "slots": 2, "contexts": None,
                           "busy": 0, "runtime": "sim:rtx5090", "runtime_state": "simulated rtx5090",
-                          "sampler": "tensorgate-gumbel/1"}
+                          "sampler": "tensorgate-gumbel/1", "models": ["org/a", "org/b"],
+                          "features": ["logprobs", "response_format", "tools"]}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
@@ -641,6 +652,7 @@ class _SlowToCloseRuntime:
 
     name = "slow-to-close"
     sampler = None
+    features: frozenset[str] = frozenset()
 
     def health(self) -> Any:
         from neurons.miner.runtimes.base import RuntimeHealth

@@ -60,6 +60,11 @@ class MinerClient:
         return await self._open().post(f"http://{endpoint}{path}", data=body, headers=headers, timeout=timeout,
                                        allow_redirects=False)
 
+    async def get(self, endpoint: str, path: str, *, timeout_s: float) -> aiohttp.ClientResponse:
+        """GET (a miner's /health); the whole exchange bounded by ``timeout_s``. Use as ``async with``."""
+        return await self._open().get(f"http://{endpoint}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                      allow_redirects=False)
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()

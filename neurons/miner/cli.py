@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import aiohttp
 from loguru import logger
 
-from gateway.protocol.openai import SUBNET_SAMPLER
+from gateway.protocol.openai import FEATURES, SUBNET_SAMPLER
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
 from ..settings import MINER_PREFIX, add_config_flag, resolve
@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                    help="with --runtime.url: 'subnet' when the runtime is a vLLM started with the subnet's sampler "
                         "plugin (README, 'Miners on vLLM'): sampled answers are then audited token by token and "
                         "paid; 'own' (default): the runtime's own RNG, whose sampled answers validators do not pay")
+    p.add_argument("--runtime.features", dest="runtime_features", default="", metavar="LIST",
+                   help="what the runtime behind --runtime.url serves beyond plain chat, comma-separated, of: "
+                        f"{', '.join(sorted(FEATURES))} (declared to validators, who route requests using them here)")
+    p.add_argument("--serve.models", dest="serve_models", default="", metavar="LIST",
+                   help="the models this miner serves, comma-separated (declared in its signed /health; default: "
+                        "none named, which validators read as the subnet's model)")
     p.add_argument("--runtime.gguf", dest="runtime_gguf", default=None, metavar="PATH|packaged",
                    help="serve a GGUF model in process on llama.cpp (needs '.[real]'): 'packaged' is the subnet's "
                         "Gemma 3 270M; each slot gets its own context and --runtime.threads threads")
@@ -95,6 +101,10 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
             parse_profile(args.runtime_sim)
         except ValueError as e:
             p.error(str(e))
+    args.runtime_features = frozenset(f.strip() for f in args.runtime_features.split(",") if f.strip())
+    if not args.runtime_features <= FEATURES:
+        p.error(f"--runtime.features: unknown {sorted(args.runtime_features - FEATURES)}; known: {sorted(FEATURES)}")
+    args.serve_models = tuple(m.strip() for m in args.serve_models.split(",") if m.strip())
     return args
 
 
@@ -115,7 +125,8 @@ async def _run(args: argparse.Namespace) -> int:
 
             session = await stack.enter_async_context(aiohttp.ClientSession())
             proxy = ProxyRuntime(args.runtime_url, session, model=args.runtime_model,
-                                 sampler=SUBNET_SAMPLER if args.runtime_sampler == "subnet" else None)
+                                 sampler=SUBNET_SAMPLER if args.runtime_sampler == "subnet" else None,
+                                 features=args.runtime_features)
             await proxy.start()
             if not proxy.health().ok:
                 logger.warning("runtime {}: {} (serving anyway; /health says so)", args.runtime_url,
@@ -157,7 +168,7 @@ async def _run(args: argparse.Namespace) -> int:
             stack.callback(refresher.cancel)
             trust = permit
         runner, port = await start_miner(keypair, runtime, slots=args.slots, trust=trust, host=args.axon_ip,
-                                         contexts=contexts,
+                                         contexts=contexts, models=args.serve_models,
                                          port=args.axon_port, max_body_bytes=args.max_body)
         stack.push_async_callback(runner.cleanup)
         logger.info("miner {} listening on {}:{} ({} slots, runtime {}, trust {})", keypair.ss58_address,

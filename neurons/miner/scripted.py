@@ -32,9 +32,20 @@ from typing import Any
 import bittensor as bt
 from aiohttp import web
 
+from gateway.offers import signed_health
 from gateway.protocol.errors import error_body
 from gateway.protocol.openai import CHAT_PATH, SAMPLER_HEADER, SLOTS_HEADER, SUBNET_SAMPLER, requested_max_tokens
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
+
+from .runtimes.features import (
+    SIMULATED_FEATURES,
+    as_json,
+    logprobs_of,
+    pieces,
+    tool_call_frames,
+    tool_to_call,
+    wants_json,
+)
 
 BEHAVIORS = (
     "ok",  # prelude, tokens, finish, usage, [DONE]
@@ -104,13 +115,16 @@ class FakeMiner:
     """One scripted miner on a loopback port."""
 
     def __init__(self, keypair: Any, *, trusted: Iterable[str] = (), script: Script | None = None, slots: int = 4,
-                 tag: str = "m", allow_unsigned: bool = False, keep_bodies: bool = True) -> None:
+                 tag: str = "m", allow_unsigned: bool = False, keep_bodies: bool = True,
+                 models: Iterable[str] = (), features: Iterable[str] = SIMULATED_FEATURES) -> None:
         self.keypair = keypair
         self.hotkey = str(keypair.ss58_address)
         self.trusted = frozenset(trusted)
         self.script = script or Script()
         self.slots = slots
         self.sampler: str | None = SUBNET_SAMPLER  # declared on answers (SAMPLER_HEADER); None: declares none
+        self.models = tuple(models)  # declared in the signed /health (gateway.offers); none: the subnet's model
+        self.features = frozenset(features)
         self.tag = tag
         self.allow_unsigned = allow_unsigned
         self.keep_bodies = keep_bodies
@@ -161,9 +175,11 @@ class FakeMiner:
 
     async def _health(self, request: web.Request) -> web.Response:
         c = self.counters
-        return web.json_response({"status": "ok", "slots": self.slots, "busy": self.active, "hotkey": self.hotkey,
-                                  "served": c.finished, "verified": c.verified, "unsigned": c.unsigned,
-                                  "rejected": c.auth_failures, "busy_refusals": c.busy_refusals})
+        body, headers = signed_health(self.keypair, {
+            "status": "ok", "slots": self.slots, "busy": self.active, "models": list(self.models),
+            "features": sorted(self.features), "served": c.finished, "verified": c.verified, "unsigned": c.unsigned,
+            "rejected": c.auth_failures, "busy_refusals": c.busy_refusals})
+        return web.Response(body=body, content_type="application/json", headers=headers)
 
     def _refuse_caller(self, request: web.Request, raw: bytes) -> web.Response | None:
         if self.allow_unsigned and bt.http_auth.HEADER_SIGNATURE not in request.headers:
@@ -261,6 +277,17 @@ class FakeMiner:
         n = s.tokens if s.behavior == "overlong" else min(s.tokens, max_tokens)
         if s.behavior == "empty":
             n = 0
+        tool = tool_to_call(body) if s.behavior == "ok" else None
+        if tool is not None:  # a tool call in place of text, as a runtime's tool parser streams it
+            frames = tool_call_frames(out, f"call_{self.tag}", tool, json.dumps({"q": self.token(0).strip()}), n)
+            await until(s.headers_delay + s.first_token_delay)
+            await resp.write(prelude + b"".join(frames) + frame(out.chunk({}, "tool_calls")) + DONE_FRAME)
+            await resp.write_eof()
+            return resp
+        texts = [self.token(i) if not s.token_chars else "x" * s.token_chars for i in range(n)]
+        if wants_json(body) and n:
+            texts = pieces(as_json("".join(texts)), n)
+        logprobs = body.get("logprobs") is True
         pending = prelude
         for i in range(n):
             if s.behavior in ("stall_after", "drop_after") and i == s.after:
@@ -272,8 +299,11 @@ class FakeMiner:
                 request.transport.abort()  # cut mid-stream: no terminating chunk
                 return resp
             await until(s.headers_delay + s.first_token_delay + i * s.token_delay)
-            text = self.token(i) if not s.token_chars else "x" * s.token_chars
-            chunk = out.tokens(text, [100 + i] * s.ids_per_token) if s.ids_per_token else out.content(text)
+            text = texts[i]
+            if logprobs:
+                chunk = frame(out.chunk({"content": text}, None, logprobs_of(text, -0.5 - i / 100)))
+            else:
+                chunk = out.tokens(text, [100 + i] * s.ids_per_token) if s.ids_per_token else out.content(text)
             await resp.write(pending + chunk)
             pending = b""
             if s.behavior == "gated" and i == 0:

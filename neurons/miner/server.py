@@ -31,6 +31,7 @@ import bittensor as bt
 from aiohttp import web
 from loguru import logger
 
+from gateway.offers import signed_health
 from gateway.protocol.errors import error_body
 from gateway.protocol.openai import CHAT_PATH, SAMPLER_HEADER, SLOTS_HEADER
 from gateway.protocol.sse import DONE_FRAME, frame
@@ -77,7 +78,7 @@ class MinerServer:
 
     def __init__(self, keypair: Any, runtime: Runtime, slots: int, trust: Trust, *,
                  max_body_bytes: int = DEFAULT_MAX_BODY, nonce_store: bt.http_auth.NonceStore | None = None,
-                 contexts: int | None = None) -> None:
+                 contexts: int | None = None, models: tuple[str, ...] = ()) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         if contexts is not None and contexts < 1:
@@ -86,6 +87,8 @@ class MinerServer:
         # to, e.g. vLLM batching). Past it a caller gets a 429 at once, never a wait behind another caller.
         self.contexts = contexts
         self.hotkey: str = keypair.ss58_address
+        self._keypair = keypair  # signs /health: what it declares is this hotkey's (gateway.offers)
+        self.models = models  # declared to validators; none: the subnet's model
         self.runtime = runtime
         self.slots = slots
         self.trust = trust
@@ -107,10 +110,11 @@ class MinerServer:
         """``ok`` only while the runtime can serve: 503 with its reason otherwise (a load balancer reads the
         status). The hotkey is public (it is on chain with the axon); a local subnet registers by it."""
         h = self.runtime.health()
-        return web.json_response({"status": "ok" if h.ok else "down", "hotkey": self.hotkey, "slots": self.slots,
-                                  "contexts": self.contexts, "busy": self.busy, "runtime": self.runtime.name,
-                                  "sampler": self.runtime.sampler or "own",
-                                  "runtime_state": h.detail}, status=200 if h.ok else 503)
+        body, headers = signed_health(self._keypair, {
+            "status": "ok" if h.ok else "down", "slots": self.slots, "contexts": self.contexts, "busy": self.busy,
+            "runtime": self.runtime.name, "sampler": self.runtime.sampler or "own", "models": list(self.models),
+            "features": sorted(self.runtime.features), "runtime_state": h.detail})
+        return web.Response(body=body, status=200 if h.ok else 503, content_type="application/json", headers=headers)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
@@ -243,13 +247,14 @@ def _check_payload(payload: Any) -> tuple[str | None, str] | None:
 
 async def start_miner(keypair: Any, runtime: Runtime, *, slots: int = 4, trust: Trust, host: str = "127.0.0.1",
                       port: int = 0, max_body_bytes: int = DEFAULT_MAX_BODY,
-                      contexts: int | None = None) -> tuple[web.AppRunner, int]:
+                      contexts: int | None = None, models: tuple[str, ...] = ()) -> tuple[web.AppRunner, int]:
     """Serve a miner on ``host:port`` (port 0 picks a free one); returns the runner and the bound port.
 
     ``handler_cancellation`` makes a client disconnect cancel the handler at once, so a slot is freed
     even while the runtime is still before its first token.
     """
-    server = MinerServer(keypair, runtime, slots, trust, max_body_bytes=max_body_bytes, contexts=contexts)
+    server = MinerServer(keypair, runtime, slots, trust, max_body_bytes=max_body_bytes, contexts=contexts,
+                         models=models)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -109,7 +109,8 @@ def build_parts(
     measurements = MeasurementQueue()
     if reference is None and (cfg.audit_model != "none" or cfg.audit_url):
         reference = _reference(cfg)
-    limits = UpstreamLimits(keep_answers=reference is not None)
+    limits = UpstreamLimits(keep_answers=reference is not None,
+                            audited_model=cfg.models[0] if reference is not None else None)  # the reference's
     upstream = Upstream(client, RequestSigner(keypair), sink if sink is not None else measurements,
                         timeouts=timeouts, limits=limits)
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
@@ -136,7 +137,7 @@ def build_parts(
     gateway.on_request = observe
     prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes,
                               replays=replays)
-    probes = ProbeRunner(router, upstream.probe, prompts, cfg.models[0], random.Random(seed_rng.random()),
+    probes = ProbeRunner(router, upstream.probe, prompts, tuple(cfg.models), random.Random(seed_rng.random()),
                          capacity_check=cfg.capacity_check)
     auditor = None
     if reference is not None:  # sampled with the system RNG: a seeded run must not make audits predictable

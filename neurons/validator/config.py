@@ -53,6 +53,7 @@ class ValidatorConfig:
     first_byte_budget_s: float = 30.0  # a client's whole wait for a first byte, retries included
     drain_s: float = 5.0  # on a stop (SIGTERM, Ctrl-C): how long streams in progress may take to finish
     queue_s: float = 10.0  # a request that finds every miner's slots busy waits this long at most (gateway.admission)
+    offers_s: float = 60.0  # how often every miner's signed /health is read for the models and features it serves
     max_connections: int = 2048  # client connections at once (each is a file descriptor)
     # How limited API keys' prompts are counted: "auto" (the in-process reference's GGUF tokenizer, else the
     # estimate), "estimate" (4 characters a token), or a GGUF file whose tokenizer counts them.
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--gateway.queue-seconds", dest="queue_s", type=float, default=d.queue_s,
                     help="a request that finds every miner's declared slots busy waits this long at most for one, "
                          "in a queue fair across API keys, before a 429 with Retry-After (0: the 429 at once)")
+    gw.add_argument("--gateway.offers-seconds", dest="offers_s", type=float, default=d.offers_s,
+                    help="how often each miner's signed /health is read for the models and request features it "
+                         "serves (gateway.offers; also once at start)")
     gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
                     help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
     sc = p.add_argument_group("scoring and weights")

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from loguru import logger
 
+from gateway.offers import refresh_offers
 from gateway.quota import utc_day
 from gateway.router import Candidate
 from scoring.audit import StrikeBook
@@ -158,6 +159,7 @@ class Validator:
                         self.auditor.reference.name, self.cfg.audit_bands or "(defaults, measured CPU against CPU)",
                         describe(self.auditor.bands, self.auditor.book.policy.sequential))
         await self.sync_metagraph()
+        await self.refresh_offers()  # which miner serves which model, before the first request
         if self.scorer.restored:
             logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
                         self.cfg.state_dir)
@@ -171,6 +173,8 @@ class Validator:
         self._max_metagraph_age_s = 3 * sync_s + 60.0  # three missed syncs and a minute: the chain is not answering
         self._tasks = [
             supervise("metagraph-sync", lambda: every(sync_s, self.sync_metagraph, first_delay_s=sync_s),
+                      restarts=self.restarts),
+            supervise("offers", lambda: every(self.cfg.offers_s, self.refresh_offers, first_delay_s=self.cfg.offers_s),
                       restarts=self.restarts),
             supervise("measurements", lambda: every(DRAIN_EVERY_S, self._drain, first_delay_s=DRAIN_EVERY_S),
                       restarts=self.restarts),
@@ -245,11 +249,20 @@ class Validator:
         self.hotkey_to_uid = {n.hotkey: n.uid for n in neurons}
         self.my_uid = self.hotkey_to_uid.get(self.hotkey)
         cands = candidates(neurons, self.hotkey, self.cfg.min_validator_stake)
+        before = {id(m) for m in self.router.miners()}
         self.router.sync(cands)
+        joined = [m for m in self.router.miners() if id(m) not in before]
         # A UID whose hotkey changed starts from nothing: scores are keyed by hotkey.
         self.router.set_scores(self.scorer.routing_scores())
         self.router.set_quarantined(self.quarantined())
         logger.debug("metagraph: {} neurons, {} routable miners", len(neurons), len(cands))
+        if joined and self._tasks:  # a miner new to the router: what it serves before its first request
+            await refresh_offers(self.router, self.parts.client, miners=joined)
+
+    async def refresh_offers(self) -> None:
+        """Every miner's declared models and features (its signed /health) into the router."""
+        counts = await refresh_offers(self.router, self.parts.client)
+        logger.debug("offers: {}", counts)
 
     async def _drain(self) -> None:
         """Measurements into the scorer; those the audit samples wait for their verdict first."""

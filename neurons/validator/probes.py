@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from loguru import logger
 
-from gateway.router import Lease, Router
+from gateway.router import Lease, MinerState, Router
 
 from .prompts import PromptGenerator
 
@@ -57,12 +57,12 @@ class ProbeFn(Protocol):
 class ProbeRunner:
     """Runs one round's probe plan; each probe holds a router lease so organic routing sees it."""
 
-    def __init__(self, router: Router, probe: ProbeFn, prompts: PromptGenerator, model: str,
+    def __init__(self, router: Router, probe: ProbeFn, prompts: PromptGenerator, models: str | tuple[str, ...],
                  rng: random.Random | None = None, *, capacity_check: bool = True) -> None:
         self._router = router
         self._probe = probe
         self._prompts = prompts
-        self._model = model
+        self._models = (models,) if isinstance(models, str) else tuple(models)  # the first: the subnet's
         self._rng = rng if rng is not None else random.Random()
         self._tasks: set[asyncio.Task[None]] = set()
         self.capacity_check = capacity_check
@@ -101,7 +101,7 @@ class ProbeRunner:
         sent = 0
         for m in self._router.miners():
             for _ in range(max(1 if m.in_flight == 0 else 0, m.slots - m.in_flight - 1)):
-                payload = self._check_payload()  # before the lease: nothing can leak it
+                payload = self._check_payload(self._model_for(m))  # before the lease: nothing can leak it
                 lease = self._router.acquire_uid(m.uid)
                 if lease is None:
                     continue
@@ -111,10 +111,14 @@ class ProbeRunner:
         self.capacity_streams += sent
         return sent
 
-    def _check_payload(self) -> dict[str, Any]:
+    def _model_for(self, m: MinerState) -> str:
+        """The model a miner is probed on: the first the validator serves that the miner declared."""
+        return next((x for x in self._models if self._router.serves(m, x)), self._models[0])
+
+    def _check_payload(self, model: str) -> dict[str, Any]:
         """An ordinary probe that asks for at least :data:`CAPACITY_MIN_TOKENS` tokens."""
         for _ in range(_REDRAWS):
-            payload = self._prompts.payload(self._model)
+            payload = self._prompts.payload(model)
             asked = payload.get("max_tokens")
             if isinstance(asked, int) and asked >= CAPACITY_MIN_TOKENS:
                 return payload
@@ -137,7 +141,7 @@ class ProbeRunner:
         if lease is None:  # the miner left the metagraph since the plan was made
             self.skipped += 1
             return
-        await self._with_lease(lease, self._prompts.payload(self._model))
+        await self._with_lease(lease, self._prompts.payload(self._model_for(lease.miner)))
 
     async def _with_lease(self, lease: Lease, payload: dict[str, Any], *, capacity_check: bool = False) -> None:
         try:

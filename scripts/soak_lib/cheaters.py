@@ -72,6 +72,7 @@ class CheatRuntime:
         self.is_probe = is_probe
         self.is_check = is_check
         self.name = f"cheat:{cheat}:{card.name}"
+        self.features = card.features
         self.sampler = card.sampler  # a cheat declares the subnet's sampler: its answers are paid if they pass
         self.refused = 0
 

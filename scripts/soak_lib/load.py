@@ -54,6 +54,7 @@ class CardRuntime:
         self.inner = SimulatedRuntime(self._base, rng=rng)
         self.name = self.inner.name
         self.sampler = self.inner.sampler
+        self.features = self.inner.features
         self._n = 0
         self._u = 0.0
         self._t: float | None = None
@@ -152,6 +153,7 @@ class MultiCardRuntime:
         self.cards = list(cards)
         self.name = f"sim:{len(self.cards)}x{self.cards[0].profile.name}"
         self.sampler = self.cards[0].sampler
+        self.features = self.cards[0].features
 
     @property
     def active(self) -> int:

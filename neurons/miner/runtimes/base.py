@@ -44,6 +44,9 @@ class Runtime(Protocol):
     # The sampler sampled tokens are drawn with, declared to validators on every answer (SAMPLER_HEADER):
     # gateway.protocol.openai.SUBNET_SAMPLER, or None for the runtime's own RNG (free draws, not paid).
     sampler: str | None
+    # What it serves beyond plain chat (gateway.protocol.openai.FEATURES: tools, response_format, logprobs, ...),
+    # declared in the miner's signed /health so requests using one are routed to it (gateway.offers).
+    features: frozenset[str]
 
     @property
     def active(self) -> int: ...

@@ -53,6 +53,7 @@ class LlamaRuntime:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.name = f"llama.cpp:{model}"
         self.sampler: str | None = SUBNET_SAMPLER  # seeded requests are drawn with it (LlamaEngine.choose)
+        self.features: frozenset[str] = frozenset()  # plain chat only
         self.model = model
         self._path = path
         self._slots = slots

@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 from loguru import logger
 
-from gateway.protocol.openai import SUBNET_SAMPLER
+from gateway.protocol.openai import FEATURES, SUBNET_SAMPLER
 from gateway.protocol.sampling import is_seed
 
 from ..vllm_plugin import SEED_ARG
@@ -80,9 +80,13 @@ class ProxyRuntime:
     """Forward chat completions to ``{base_url}/v1/chat/completions`` and relay the stream unbuffered."""
 
     def __init__(self, base_url: str, session: aiohttp.ClientSession, model: str | None = None,
-                 timeouts: ProxyTimeouts | None = None, sampler: str | None = None) -> None:
+                 timeouts: ProxyTimeouts | None = None, sampler: str | None = None,
+                 features: frozenset[str] = frozenset()) -> None:
         if sampler not in (None, SUBNET_SAMPLER):
             raise ValueError(f"unknown sampler {sampler!r}: {SUBNET_SAMPLER!r} or None")
+        if not features <= FEATURES:
+            raise ValueError(f"unknown features {sorted(features - FEATURES)}: known {sorted(FEATURES)}")
+        self.features = features  # what the runtime behind serves, as its operator declares (--runtime.features)
         self.base_url = base_url.rstrip("/")
         self.url = self.base_url + "/v1/chat/completions"
         self.name = f"proxy:{self.base_url}"

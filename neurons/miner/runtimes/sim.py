@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import random
 import secrets
@@ -46,6 +47,7 @@ from gateway.protocol.tokens import estimate_prompt_tokens
 
 from ...model.toy import MODEL, STOP_SHARE
 from .base import RuntimeFailure, RuntimeHealth
+from .features import SIMULATED_FEATURES, as_json, logprobs_of, pieces, tool_call_frames, tool_to_call, wants_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,7 @@ class SimulatedRuntime:
         # A simulated card stands for a card that runs the subnet's sampler; the toy model behind it can only be
         # audited for plausibility (neurons.reference.toy), which is the toy reference's limit, not the card's.
         self.sampler: str | None = SUBNET_SAMPLER
+        self.features = SIMULATED_FEATURES  # tools, JSON mode and logprobs, in the shapes a real server writes them
         self._rng = rng if rng is not None else random.Random()
         self._active = 0
         self._prefill_free_at = 0.0  # loop time when the card's prefill queue drains
@@ -189,6 +192,28 @@ class SimulatedRuntime:
             return b"".join(frames.content(piece) for piece in cut if piece)
         return frames.tokens(text, [token])
 
+    def _frames(self, frames: ChunkFramer, tokens: list[int],
+                payload: dict[str, Any]) -> tuple[list[bytes], str | None]:
+        """One frame per token of the answer (and the finish reason it forces, if any): plain text, or the features
+        the request uses (:mod:`.features`). JSON and tool calls name no ids: their text is not the toy model's."""
+        tool = tool_to_call(payload)
+        if tool is not None:
+            text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
+            return tool_call_frames(frames, "call_" + secrets.token_hex(6), tool, json.dumps({"query": text.strip()}),
+                                    len(tokens)), "tool_calls"
+        if wants_json(payload):
+            text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
+            return [frames.content(p) for p in pieces(as_json(text), len(tokens))], None
+        if payload.get("logprobs") is True:
+            out = []
+            for t in tokens:
+                text = MODEL.piece(t).decode()
+                obj = frames.chunk({"content": text}, None, logprobs_of(text, -0.25))
+                obj["choices"][0]["token_ids"] = [t]
+                out.append(frame(obj))
+            return out, None
+        return [self._chunk(frames, t) for t in tokens], None
+
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
         p = self.profile
@@ -210,7 +235,6 @@ class SimulatedRuntime:
         finish = "stop" if ended else "length"
         if 0 < p.stop_after_tokens < len(tokens):
             tokens, finish = tokens[: p.stop_after_tokens], "stop"
-        total = len(tokens)
         drop_at = p.drop_after_tokens if p.drop_after_tokens > 0 else None
         garbage = rng.random() < p.garbage
         nan_usage = rng.random() < p.nan_usage
@@ -219,6 +243,9 @@ class SimulatedRuntime:
         named = payload.get("model")
         model = named if isinstance(named, str) else f"sim/{p.name}"
         frames = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()), model)
+        chunks, forced = self._frames(frames, tokens, payload)
+        finish = forced or finish
+        total = len(chunks)
 
         others = self._active
         self._active += 1
@@ -233,7 +260,7 @@ class SimulatedRuntime:
             yield frame(frames.chunk({"role": "assistant"}, None))
             await asyncio.sleep(max(0.0, ttft_real - (loop.time() - now)))
 
-            out = [self._chunk(frames, tokens[0])]
+            out = [chunks[0]]
             emitted = 1
             if garbage:
                 out.append(GARBAGE_FRAME)
@@ -253,7 +280,7 @@ class SimulatedRuntime:
                     continue
                 owed -= k
                 emitted += k
-                yield b"".join(self._chunk(frames, t) for t in tokens[emitted - k : emitted])
+                yield b"".join(chunks[emitted - k : emitted])
             if drop_at is not None and emitted >= drop_at:
                 return  # abrupt end: no finish_reason, no [DONE]
             tail = [frame(frames.chunk({}, finish))]
