@@ -123,8 +123,8 @@ class _Probes(ProbeRunner):
         super().__init__(*args, **kwargs)
         self._oracle = oracle
 
-    def _check_payload(self) -> dict[str, Any]:
-        payload = super()._check_payload()
+    def _check_payload(self, model: str) -> dict[str, Any]:
+        payload = super()._check_payload(model)
         self._oracle.remember(payload, check=True)
         return payload
 
