@@ -150,8 +150,10 @@ async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -
         for i in range(cfg.local_miners + len(cfg.local_cheats)):
             mkey = dev_keypair(f"Miner{i + 1}")
             runtime, label, slots = await _runtime(cfg, i, rng, runtimes)
+            # with several models (--gateway.models a,b) the miners serve them in turn, each declaring its own
+            models = (cfg.models[i % len(cfg.models)],) if len(cfg.models) > 1 else ()
             runner, port = await start_miner(mkey, runtime, slots=slots, trust=trust, host="127.0.0.1", port=0,
-                                             contexts=slots if cfg.local_runtime == "real" else None)
+                                             contexts=slots if cfg.local_runtime == "real" else None, models=models)
             runners.append(runner)
             uid = substrate.register(mkey.ss58_address, mkey.ss58_address, endpoint=f"127.0.0.1:{port}",
                                      validator_permit=False, stake=0.0)

@@ -203,7 +203,7 @@ class SimulatedRuntime:
                                     len(tokens)), "tool_calls"
         if wants_json(payload):
             text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
-            return [frames.content(p) for p in pieces(as_json(text), len(tokens))], None
+            return [frames.content(p) for p in pieces(as_json(text), len(tokens))], "stop"  # the object closed
         if payload.get("logprobs") is True:
             out = []
             for t in tokens:
