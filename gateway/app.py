@@ -383,6 +383,8 @@ class Gateway:
         """404 for a model no routable miner serves now, 400 naming the first field no miner serving the model
         declared (``tools``, ``logprobs``, ...): refused by name, never sent to a miner that would ignore it."""
         router = self.router
+        if router.can_serve(req.model, req.needs):
+            return  # the usual case, from a cache
         if not router.routable():
             return  # nothing known: the relay answers (429 or 503)
         if not router.can_serve(req.model):

@@ -332,7 +332,11 @@ class Router:
         return out
 
     def can_serve(self, model: str, needs: AbstractSet[str] = frozenset()) -> bool:
-        """Some routable miner serves ``model`` with ``needs`` (busy or not)."""
+        """Some routable miner serves ``model`` with ``needs`` (busy or not). On every request: when every miner
+        serves it (cached) and one is routable (a bucket exists), that is the whole check."""
+        needs = frozenset(needs)
+        if self._buckets and self._for_everyone(model, needs):
+            return True
         return any(not m.quarantined and self.serves(m, model, needs) for m in self._miners.values())
 
     def _for_everyone(self, model: str | None, needs: frozenset[str]) -> bool:

@@ -145,7 +145,11 @@ class RoundAccumulator:
                 row.audits_failed += 1
         if not m.ok:
             row.failures[m.failure or "unknown"] += 1
-        credit = request_credit(m, self.cfg)
+        # An answer no audit can check is not paid (scoring.pay), and not credited either where audits run: junk sent
+        # fast on exactly those requests (they say what they are) would raise the quality that multiplies the pay of
+        # every other answer. A failure on one still counts: the user saw it.
+        unchecked = self.audits and m.ok and m.skipped is not None
+        credit = None if unchecked else request_credit(m, self.cfg)
         if credit is not None:
             row.measured += 1
             row.credit_sum += credit

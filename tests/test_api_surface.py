@@ -64,7 +64,7 @@ async def test_tool_calls_json_mode_logprobs_n_and_completions(subnet: LocalSubn
     async with client_of(subnet) as client:
         # tool call, whole: the message carries the call, finish_reason says so
         done = await client.chat.completions.create(model=FIRST, messages=ASK, tools=[WEATHER], max_tokens=16)
-        call = done.choices[0].message.tool_calls[0]  # type: ignore[index]
+        call: Any = done.choices[0].message.tool_calls[0]  # type: ignore[index]
         assert done.choices[0].finish_reason == "tool_calls" and call.type == "function"
         assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["query"], str)
         assert call.id and done.choices[0].message.content is None
@@ -89,9 +89,10 @@ async def test_tool_calls_json_mode_logprobs_n_and_completions(subnet: LocalSubn
         assert after.choices[0].message.content and not after.choices[0].message.tool_calls
 
         # JSON mode and a JSON schema: the content parses
-        for rf in ({"type": "json_object"},
+        formats: list[Any] = [{"type": "json_object"},
                    {"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": {
-                       "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}):
+                       "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}]
+        for rf in formats:
             js = await client.chat.completions.create(model=FIRST, messages=ASK, max_tokens=12, response_format=rf)
             assert isinstance(json.loads(js.choices[0].message.content or ""), dict)
 
@@ -165,12 +166,12 @@ async def test_a_langchain_agent_with_one_tool_and_structured_output(subnet: Loc
     agent = llm.bind_tools([get_weather])
     messages: list[Any] = [HumanMessage("What is the weather in Paris?")]
     reply = await agent.ainvoke(messages)
-    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"  # type: ignore[attr-defined]
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
     messages.append(reply)
-    for call in reply.tool_calls:  # type: ignore[attr-defined]
+    for call in reply.tool_calls:
         messages.append(ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"]))
     final = await agent.ainvoke(messages)
-    assert isinstance(final.content, str) and final.content and not final.tool_calls  # type: ignore[attr-defined]
+    assert isinstance(final.content, str) and final.content and not final.tool_calls
 
     class Answer(BaseModel):
         answer: str

@@ -67,6 +67,32 @@ def test_free_draws_are_not_paid_where_the_validator_audits() -> None:
     assert a.score == b.score  # quality is judged the same: only what is paid differs
 
 
+def test_answers_no_audit_can_check_earn_nothing_and_junk_on_them_raises_no_credit() -> None:
+    """Issue 27: tools, JSON mode, logit_bias, ... say what they are, and no audit can check the answers. The cheapest
+    cheat: serve the rest honestly and junk on those, at once. Same traffic for both, 30 % of it such requests:
+    the honest card answers them at its loaded speed, the cheater instantly. Neither is paid for them, and the junk
+    does not lift the credit that multiplies the rest of the cheater's pay (credited, it made 1.56x the honest
+    card's value)."""
+    skipped = dataclasses.replace(answer(), skipped="tools")
+    assert paid_tokens(skipped, audits=True) == 0
+    assert paid_tokens(skipped, audits=False) == 64  # no reference: nothing is checked, everything paid as measured
+    honest, cheat = RoundAccumulator(CFG, audits=True), RoundAccumulator(CFG, audits=True)
+    for i in range(100):
+        plain = i % 10 >= 3
+        base = answer(ttft=0.7, rate=300.0, concurrency=1.0)  # a loaded card's plain answer, the same for both
+        honest.add(dataclasses.replace(base, hotkey="h") if plain else
+                   dataclasses.replace(answer("h", ttft=0.7, rate=300.0), skipped="tools"))
+        cheat.add(dataclasses.replace(base, hotkey="c") if plain else
+                  dataclasses.replace(answer("c", ttft=0.001, rate=50_000.0), skipped="tools"))
+    h, c = honest.miners["h"], cheat.miners["c"]
+    assert h.skipped == c.skipped == 30 and h.measured == c.measured == 70
+    assert c.work_s == pytest.approx(h.work_s) and c.score == pytest.approx(h.score)
+    assert round_value(c.work_s, c.score, ROUND_S) <= round_value(h.work_s, h.score, ROUND_S)
+    failed = dataclasses.replace(skipped, ok=False, failure=FailureReason.DROPPED)
+    acc = RoundAccumulator(CFG, audits=True)
+    assert acc.add(failed) == 0.0  # failing such a request still costs credit: the user saw it
+
+
 def test_round_value_is_work_times_quality_per_round_second() -> None:
     assert round_value(30.0, 0.5, 60.0) == pytest.approx(0.25)
     assert round_value(30.0, 1.7, 60.0) == pytest.approx(0.5)  # quality is a credit: at most 1

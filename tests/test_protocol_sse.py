@@ -231,3 +231,56 @@ def test_chunk_framer_token_frames():
     obj["choices"][0]["token_ids"] = [3, 4]
     assert f.tokens('a"é', [3, 4]) == frame(obj)
     assert parse_chunk(f.tokens("x", [9])[6:-2].decode()).token_ids == (9,)
+
+
+# -- tool-call deltas and logprobs (issue 27) ---------------------------------------------------
+
+
+def _choice(delta: dict, **choice: object) -> str:
+    return json.dumps({"object": "chat.completion.chunk",
+                       "choices": [{"index": 0, "delta": delta, "finish_reason": None, **choice}]})
+
+
+def test_tool_call_deltas_and_logprobs_are_rebuilt_from_the_fields_openai_defines():
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""},
+            "evil": "x"}
+    ch = parse_chunk(_choice({"tool_calls": [call]}))
+    assert ch.tool_calls == ({"index": 0, "id": "call_1", "type": "function",
+                              "function": {"name": "f", "arguments": ""}},)
+    assert ch.text == "f"  # what TTFT and an id-less count see: the call's name and arguments
+    assert parse_chunk(_choice({"content": "a", "tool_calls": []})).tool_calls is None  # vLLM's empty list
+    lp = {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.5, "bytes": [97], "extra": 1}]}]}
+    ch = parse_chunk(_choice({"content": "a"}, logprobs=lp))
+    assert ch.logprobs == {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.5, "bytes": [97]}]}]}
+
+
+@pytest.mark.parametrize("delta,choice", [
+    ({"tool_calls": {"index": 0}}, {}),  # not a list
+    ({"tool_calls": [{"index": -1}]}, {}),
+    ({"tool_calls": [{"index": True}]}, {}),
+    ({"tool_calls": [{"index": 0, "type": "code"}]}, {}),
+    ({"tool_calls": [{"index": 0, "function": {"arguments": {"x": 1}}}]}, {}),  # arguments are JSON *text*
+    ({"tool_calls": [{"index": 0, "function": {"name": "n" * 65}}]}, {}),
+    ({"content": "a"}, {"logprobs": {"content": [{"token": "a", "logprob": "high"}]}}),
+    ({"content": "a"}, {"logprobs": {"content": [{"token": "a", "logprob": -1, "bytes": [256]}]}}),
+    ({"content": "a"}, {"logprobs": {"content": [{"token": "a", "logprob": -1, "top_logprobs": [1]}]}}),
+    ({"content": "a"}, {"logprobs": {"content": "a"}}),
+])
+def test_bad_tool_calls_and_logprobs_are_garbage(delta, choice):
+    with pytest.raises(SSEGarbage):
+        parse_chunk(_choice(delta, **choice))
+
+
+def test_the_fast_path_never_drops_logprobs_or_tool_calls():
+    """A stream whose every chunk carries the same logprobs or tool-call delta around the content must not learn a
+    template that returns the content alone: the probe parse proves the hole is the only field."""
+    for extra in ({"logprobs": {"content": [{"token": "x", "logprob": -1.0, "bytes": None, "top_logprobs": []}]}},):
+        dec = ChunkDecoder()
+        chunks = [dec.decode(_choice({"content": f"w{i}"}, **extra)) for i in range(6)]
+        assert all(c.logprobs is not None for c in chunks) and not dec.has_template
+    dec = ChunkDecoder()
+    calls = [dec.decode(_choice({"content": f"w{i}", "tool_calls": [{"index": 0, "function": {"arguments": "1"}}]}))
+             for i in range(6)]
+    assert all(c.tool_calls for c in calls) and not dec.has_template

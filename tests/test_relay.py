@@ -502,3 +502,52 @@ async def test_held_answers_over_the_gateways_budget_get_503_and_blame_no_miner(
     async with h.chat(body(stream=True, max_tokens=8)) as r:  # a streamed answer is not held: served
         assert r.status == 200
         assert len(contents(await read_sse(r))) == 8
+
+
+# -- n answers (issue 27) -----------------------------------------------------------------------
+
+
+async def test_n_answers_come_from_n_miners_merged_into_one_response(make_miner, make_gateway):
+    a, b = await make_miner(Script("ok", tokens=4), slots=1, tag="a"), await make_miner(Script("ok", tokens=4),
+                                                                                          slots=1, tag="b")
+    h = await make_gateway([a, b])
+    async with h.chat(body(stream=False, max_tokens=4, n=2)) as r:
+        assert r.status == 200
+        doc = await r.json()
+    assert [c["index"] for c in doc["choices"]] == [0, 1]
+    assert {c["message"]["content"] for c in doc["choices"]} == {"".join(a.token(i) for i in range(4)),
+                                                                 "".join(b.token(i) for i in range(4))}
+    assert {c["tensorgate"]["miner_uid"] for c in doc["choices"]} == {1, 2}  # each answer names its miner
+    assert doc["usage"]["completion_tokens"] == 8
+    async with h.chat(body(max_tokens=4, n=2, stream_options={"include_usage": True})) as r:
+        events = await read_sse(r)
+    by_index: dict[int, str] = {0: "", 1: ""}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            by_index[c["index"]] += c["delta"].get("content") or ""
+    assert sorted(by_index.values()) == sorted(["".join(a.token(i) for i in range(4)),
+                                                "".join(b.token(i) for i in range(4))])
+    assert events[-2]["usage"]["completion_tokens"] == 8 and events[-1] == "[DONE]"
+    assert h.router.total_in_flight() == 0 and len(h.measurements()) == 4
+
+
+async def test_one_of_n_answers_failing_mid_stream_ends_the_response_with_an_error(make_miner, make_gateway):
+    good = await make_miner(Script("ok", tokens=6, token_delay=0.05), slots=1, tag="good")
+    bad = await make_miner(Script("drop_after", tokens=6, after=2), slots=1, tag="bad")
+    h = await make_gateway([good, bad])
+    async with h.chat(body(max_tokens=6, n=2)) as r:
+        assert r.status == 200
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert h.gateway.outcomes["stream_error"] == 1
+    assert await eventually(lambda: h.router.total_in_flight() == 0)  # the other answer was stopped, its lease freed
+
+
+def test_each_of_n_answers_is_its_own_draw_of_a_seeded_request():
+    from gateway.protocol.openai import SchemaLimits, parse_chat_request
+    from gateway.relay import choice_payload
+
+    req = parse_chat_request(body(n=3, seed=42, temperature=0.9), SchemaLimits(models=(MODEL,)))
+    seeds = [choice_payload(req, i)["seed"] for i in range(3)]
+    assert seeds[0] == 42 and len(set(seeds)) == 3 and seeds == [choice_payload(req, i)["seed"] for i in range(3)]
+    assert "seed" not in choice_payload(parse_chat_request(body(n=2), SchemaLimits(models=(MODEL,))), 1)
