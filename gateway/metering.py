@@ -89,6 +89,7 @@ class StreamMeter:
         self.keep_answer = keep_answer
         self.text: list[str] = []
         self.ids: list[int] = []
+        self.calls: dict[int, list[str]] = {}  # tool calls streamed (index -> [name, arguments]), kept with the text
         self.ids_complete = True  # every content chunk named its token ids
         # What one answer may weigh: a non-streamed answer is held whole, so a miner sending 4 KB per
         # token at max_tokens would cost 16 MB a request (issue 15: 16 such requests took RSS 82 -> 446 MB).
@@ -177,10 +178,17 @@ class StreamMeter:
                         self.budget, self.keep_answer = None, False
                         self.text.clear()
                         self.ids.clear()
+                        self.calls.clear()
                 if not ids:
                     self.ids_complete = False
                 if self.keep_answer:
-                    self.text.append(text)
+                    self.text.append(chunk.content)
+                    if chunk.tool_calls is not None:
+                        for d in chunk.tool_calls:
+                            call = self.calls.setdefault(d["index"], ["", ""])
+                            fn = d.get("function") or {}
+                            call[0] += fn.get("name", "")
+                            call[1] += fn.get("arguments", "")
                 if self.ttft_s is None:
                     self.ttft_s = now - self.started_at
                     self._first_in_flight = in_flight

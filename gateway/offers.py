@@ -38,6 +38,7 @@ from loguru import logger
 
 from .http.client import MinerClient
 from .protocol.openai import FEATURES
+from .protocol.tools import uses_tools
 from .router import MinerState, Router
 
 SIGNATURE_HEADER = "X-Miner-Signature"
@@ -128,18 +129,22 @@ async def refresh_offers(router: Router, client: MinerClient, *, concurrency: in
     return counts
 
 
-def audit_skip(payload: dict[str, Any], greedy: bool) -> str | None:
+def audit_skip(payload: dict[str, Any], greedy: bool, *, tools: bool = False) -> str | None:
     """The rule by which the audit cannot check an answer to ``payload``, or None when it can.
 
-    The reference forces the answer's tokens on the subnet's chat template with the subnet's sampler. It cannot
-    reproduce: tool definitions and tool history (each runtime renders them with its own template and parser),
-    grammar-constrained decoding (``response_format`` JSON), a ``logit_bias``, and ``top_k`` / ``min_p`` on a
-    sampled answer (outside the subnet sampler's spec; greedy is their argmax either way). ``logprobs`` and
-    ``n`` change no token and are audited as usual.
+    The reference forces the answer's tokens on the subnet's chat template with the subnet's sampler, tools and
+    tool history written out in the subnet's tool format (:mod:`gateway.protocol.tools`) when ``tools`` (a
+    reference that renders them; the toy one does not). It cannot reproduce: a forced tool call
+    (``tool_choice`` ``required`` or a named function: a runtime constrains decoding to it), grammar-constrained
+    decoding (``response_format`` JSON), a ``logit_bias``, and ``top_k`` / ``min_p`` on a sampled answer (outside
+    the subnet sampler's spec; greedy is their argmax either way). ``logprobs`` and ``n`` change no token and are
+    audited as usual.
     """
-    if payload.get("tools") or any(m.get("tool_calls") or m.get("role") == "tool" for m in payload.get("messages", ())
-                                   if isinstance(m, dict)):
-        return "tools"
+    if uses_tools(payload):
+        if not tools:
+            return "tools"
+        if payload.get("tool_choice") not in (None, "auto", "none"):
+            return "tool_choice"
     if payload.get("response_format"):
         return "response_format"
     if payload.get("logit_bias"):

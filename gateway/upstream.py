@@ -65,6 +65,7 @@ from .protocol.sampling import SamplingParams, wire_seed
 from .protocol.signing import RequestSigner
 from .protocol.sse import ChunkInfo
 from .protocol.tokens import estimate_prompt_tokens
+from .protocol.tools import prompt_messages
 from .router import Lease, MinerState
 
 MAX_ERROR_BODY = 64 * 1024  # what is read of a refusal's body so its connection can be reused
@@ -96,6 +97,9 @@ class UpstreamLimits:
     # The model the reference audits (None: any). Answers on another model are not audited (``skipped="model"``):
     # a reference per model is not built yet.
     audited_model: str | None = None
+    # The reference renders tools in the subnet's tool format (gateway.protocol.tools): tool answers are audited.
+    # False (the toy reference of the simulated cards): they are skipped (rule "tools").
+    audit_tools: bool = False
 
 
 REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
@@ -313,7 +317,7 @@ class UpstreamStream:
         sampling = SamplingParams.of(body)
         self.sampling = sampling if lease.miner.declares_sampler else replace(sampling, seed=None)
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))
-        self.skipped = audit_skip(body, sampling.greedy) or (
+        self.skipped = audit_skip(body, sampling.greedy, tools=limits.audit_tools) or (
             "model" if limits.audited_model not in (None, body.get("model")) else None)
         self._body = encode_body(body)
         keep = limits.keep_answers and self.skipped is None  # an answer no audit can check is not kept for one
@@ -417,13 +421,14 @@ class UpstreamStream:
         meter, payload = self.meter, self._payload
         stop = payload.get("stop")
         return Answer(
-            messages=payload.get("messages") or [],
+            messages=prompt_messages(payload),  # the prompt the runtime conditioned on
             sampling=self.sampling,
             max_tokens=self.max_tokens,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             text="".join(meter.text),
             token_ids=tuple(meter.ids) if meter.ids_complete and meter.ids else None,
             finish_reason=meter.finish_reason,
+            tool_calls=tuple((c[0], c[1]) for _, c in sorted(meter.calls.items())) if meter.calls else None,
         )
 
     def _fail(self, failure: FailureReason, *, status: int | None = None, detail: str = "") -> UpstreamError:

@@ -69,6 +69,9 @@ class Answer:
     text: str
     token_ids: tuple[int, ...] | None
     finish_reason: str | None
+    # the tool calls the client received, (name, arguments), in order: ``token_ids`` must spell them in the subnet's
+    # tool format (gateway.protocol.tools); ``messages`` are then already the tool-rendered turns
+    tool_calls: tuple[tuple[str, str], ...] | None = None
 
     @property
     def temperature(self) -> float:

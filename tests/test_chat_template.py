@@ -26,3 +26,54 @@ def test_system_folds_into_the_first_user_turn_and_roles_map() -> None:
 
 def test_a_lone_system_message_becomes_the_user_turn() -> None:
     assert render([{"role": "system", "content": "Rules."}]).startswith("<start_of_turn>user\nRules.<end_of_turn>")
+
+
+# -- the subnet's tool format (issue 27) --------------------------------------------------------
+
+
+def test_tools_and_tool_history_render_as_plain_turns() -> None:
+    from gateway.protocol.tools import prompt_messages
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    payload = {"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "42"}], "tools": tools}
+    turns = prompt_messages(payload)
+    assert [t["role"] for t in turns] == ["system", "system", "user", "assistant", "user"]
+    assert turns[1]["content"].endswith('{"name": "f", "parameters": {"type": "object"}}')
+    assert turns[3]["content"] == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    assert turns[4]["content"] == "<tool_response>\n42\n</tool_response>"
+    assert prompt_messages({"messages": payload["messages"][:2]}) == payload["messages"][:2]  # no tools: as sent
+    text = render(turns)
+    assert text.count("<start_of_turn>user") == 2 and "Be brief." in text and "<tool_call>" in text
+
+
+def test_a_tool_call_is_an_answer_made_of_call_blocks_only() -> None:
+    from gateway.protocol.tools import call_text, parse_tool_calls, same_calls
+
+    one = call_text("f", '{"x": 1}')
+    assert parse_tool_calls(one) == [("f", '{"x": 1}')]
+    assert parse_tool_calls(f"  {one}\n{call_text('g', '{}')}\n") == [("f", '{"x": 1}'), ("g", "{}")]
+    for text in ("hello", f"Sure! {one}", f"{one} and more", "<tool_call>\n{not json}\n</tool_call>",
+                 '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>', "<tool_call>\n", ""):
+        assert parse_tool_calls(text) is None, text
+    assert same_calls([("f", '{"x": 1}')], [("f", '{"x":1}')])  # re-serialised arguments are the same call
+    assert not same_calls([("f", '{"x": 1}')], [("f", '{"x": 2}')]) and not same_calls([("f", "{}")], [])
+
+
+def test_the_call_gate_holds_back_only_what_may_be_a_call() -> None:
+    from neurons.miner.runtimes.features import CallGate
+
+    gate = CallGate()
+    assert gate.feed([("<tool", [1])]) == [] and gate.feed([("_call>\n", [2])]) == []  # a prefix, then a call
+    gate.feed([('{"name": "f", "arguments": {}}\n</tool_call>', [3, 4])])
+    held, calls = gate.finish()
+    assert calls == [("f", "{}")] and [i for _, ids in held for i in ids] == [1, 2, 3, 4]
+    text = CallGate()
+    assert text.feed([(" <to", [1])]) == [] and text.feed([("day", [2])]) == [(" <to", [1]), ("day", [2])]
+    assert text.feed([(" it", [3])]) == [(" it", [3])] and text.finish() == ([], None)
+    broken = CallGate()
+    broken.feed([("<tool_call> oops", [1])])
+    assert broken.finish() == ([("<tool_call> oops", [1])], None)  # not a call after all: sent as text

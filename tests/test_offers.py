@@ -101,7 +101,15 @@ def test_audit_skip_names_what_the_reference_cannot_force() -> None:
     assert audit_skip({"messages": msgs, "logprobs": True, "top_logprobs": 2}, greedy=False) is None
     assert audit_skip({"messages": msgs, "tools": [{"type": "function"}]}, greedy=True) == "tools"
     history = [*msgs, {"role": "tool", "tool_call_id": "c", "content": "42"}]
-    assert audit_skip({"messages": history}, greedy=True) == "tools"
+    assert audit_skip({"messages": history}, greedy=True) == "tools"  # a reference that cannot render tools (toy)
+    # a reference that renders the subnet's tool format audits tool answers, unless a call was forced (a runtime
+    # constrains its decoding to the call)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert audit_skip({"messages": history}, greedy=True, tools=True) is None
+    assert audit_skip({"messages": msgs, "tools": tools, "tool_choice": "auto"}, greedy=False, tools=True) is None
+    for forced in ("required", {"type": "function", "function": {"name": "f"}}):
+        assert audit_skip({"messages": msgs, "tools": tools, "tool_choice": forced}, greedy=True,
+                          tools=True) == "tool_choice"
     assert audit_skip({"messages": msgs, "response_format": {"type": "json_object"}}, greedy=True) == "response_format"
     assert audit_skip({"messages": msgs, "logit_bias": {"5": 1}}, greedy=True) == "logit_bias"
     assert audit_skip({"messages": msgs, "top_k": 5}, greedy=True) is None  # greedy is the argmax either way

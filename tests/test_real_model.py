@@ -401,3 +401,68 @@ async def test_calibration_against_an_honest_miner_writes_bands_the_validator_lo
     with pytest.raises(SystemExit) as no_key:  # no key to sign with: says what to pass
         calibrate_main(["--miner", "http://127.0.0.1:1", "--out", str(out)])
     assert no_key.value.code == 2
+
+
+# -- tools in the subnet's tool format (issue 27) -----------------------------------------------
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _writes(text: str) -> Any:
+    """A runtime's generate function that answers ``text`` whatever the prompt (a tool call the model never wrote)."""
+    def generate(engine: LlamaEngine, messages: Any, max_tokens: int, sampling: Any, rng: Any, cancel: Any,
+                 put: Any) -> str:
+        ids = engine._llm.tokenize(text.encode(), add_bos=False, special=False)  # noqa: SLF001 - test double
+        put(len(engine.prompt_ids(messages)))
+        put([(t, engine.piece(t)) for t in ids])
+        return "stop"
+    return generate
+
+
+async def _served(rt: LlamaRuntime, payload: dict[str, Any]) -> Answer:
+    """What the validator keeps of ``rt``'s answer to ``payload`` (as gateway.upstream builds it)."""
+    from gateway.protocol.tools import prompt_messages
+
+    body = {**payload, "return_token_ids": True, "temperature": 0}
+    meter = StreamMeter(max_tokens=body["max_tokens"], started_at=0.0, keep_answer=True)
+    async for frames in rt.stream(body):
+        meter.feed(frames, now=1.0)
+    assert meter.done and meter.ids_complete
+    return Answer(messages=prompt_messages(body), sampling=SamplingParams(temperature=0.0),
+                  max_tokens=body["max_tokens"], stop=(), text="".join(meter.text), token_ids=tuple(meter.ids),
+                  finish_reason=meter.finish_reason,
+                  tool_calls=tuple((c[0], c[1]) for _, c in sorted(meter.calls.items())) or None)
+
+
+async def test_tool_requests_are_audited_on_the_prompt_the_runtime_rendered(reference: LlamaEngine) -> None:
+    """Tools and tool history render into the prompt the same way on the runtime and the reference (the subnet's tool
+    format), so an honest answer to a tool request passes; a tool call the model did not write is streamed as a call
+    (the runtime's parser) and fails its audit; ids that do not spell the calls the client got fail too."""
+    asking = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": WEATHER,
+              "max_tokens": 40}
+    history = {**asking, "messages": [*asking["messages"], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}]}
+    honest = LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1)
+    faker = LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1, generate=_writes(CALL))
+    await honest.start()
+    await faker.start()
+    try:
+        for payload in (asking, history):
+            a = await _served(honest, payload)
+            assert a.text and a.tool_calls is None  # the 270M model answers in text here
+            v = _verdict(reference, a)
+            assert v.passed and v.miss_share == 0.0, (v, a.text)
+        fake = await _served(faker, asking)
+        assert fake.tool_calls == (("get_weather", '{"city": "Paris"}'),) and fake.text == ""
+        v = _verdict(reference, fake)
+        assert not v.passed and v.failure == AuditFailure.WRONG_TOKENS, v
+        lied = dataclasses.replace(fake, tool_calls=(("get_weather", '{"city": "Rome"}'),))
+        v = _verdict(reference, lied)
+        assert not v.passed and v.failure == AuditFailure.TEXT_MISMATCH, v
+    finally:
+        await honest.aclose()
+        await faker.aclose()

@@ -36,7 +36,8 @@ def encode_request(answer: Answer, bands: AuditBands) -> bytes:
                    "seed": answer.sampling.seed,
                    "max_tokens": answer.max_tokens, "stop": list(answer.stop), "text": answer.text,
                    "token_ids": None if answer.token_ids is None else list(answer.token_ids),
-                   "finish_reason": answer.finish_reason},
+                   "finish_reason": answer.finish_reason,
+                   "tool_calls": None if answer.tool_calls is None else [list(c) for c in answer.tool_calls]},
         "bands": dataclasses.asdict(bands),
     }, allow_nan=False).encode()
 
@@ -73,8 +74,13 @@ def decode_request(obj: Any) -> tuple[Answer, AuditBands]:
         raise BadAuditRequest(f"answer.seed must be null or an integer in 0..{SEED_MAX}")
     sampling = SamplingParams(temperature=max(0.0, _num(a, "temperature")), top_p=min(1.0, max(0.0, _num(a, "top_p"))),
                               penalised=bool(a.get("penalised", False)), seed=seed)
+    calls = a.get("tool_calls")
+    if calls is not None and (not isinstance(calls, list) or not all(
+            isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) for c in calls)):
+        raise BadAuditRequest("answer.tool_calls must be null or a list of [name, arguments] strings")
     answer = Answer(messages=messages, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop), text=text,
-                    token_ids=None if ids is None else tuple(ids), finish_reason=finish)
+                    token_ids=None if ids is None else tuple(ids), finish_reason=finish,
+                    tool_calls=None if calls is None else tuple((c[0], c[1]) for c in calls))
     raw = obj.get("bands") or {}
     if not isinstance(raw, dict):
         raise BadAuditRequest("bands must be an object")

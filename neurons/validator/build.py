@@ -110,7 +110,8 @@ def build_parts(
     if reference is None and (cfg.audit_model != "none" or cfg.audit_url):
         reference = _reference(cfg)
     limits = UpstreamLimits(keep_answers=reference is not None,
-                            audited_model=cfg.models[0] if reference is not None else None)  # the reference's
+                            audited_model=cfg.models[0] if reference is not None else None,  # the reference's
+                            audit_tools=reference is not None and not isinstance(reference, ToyReference))
     upstream = Upstream(client, RequestSigner(keypair), sink if sink is not None else measurements,
                         timeouts=timeouts, limits=limits)
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)

@@ -44,6 +44,7 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
+from gateway.protocol.tools import parse_tool_calls, same_calls
 from scoring.measurement import Answer
 
 from .forcing import ForcedScores
@@ -146,7 +147,12 @@ def check_ids(answer: Answer, *, vocab_size: int, piece: Callable[[int], bytes],
     if any(t in stop_ids for t in body):
         return _fail(AuditFailure.TEXT_MISMATCH, "an end-of-turn token inside the answer")
     spelled = b"".join(piece(t) for t in body).decode("utf-8", errors="replace")  # as the miner streamed it
-    if spelled != answer.text and not _stopped_at_string(answer, spelled, body, piece):
+    if answer.tool_calls is not None:  # the ids spell the calls, in the subnet's tool format, and nothing else
+        calls = parse_tool_calls(spelled)
+        if calls is None or answer.text.strip() or not same_calls(calls, answer.tool_calls):
+            return _fail(AuditFailure.TEXT_MISMATCH, f"{len(body)} ids do not spell the {len(answer.tool_calls)} "
+                                                     f"tool calls the client received")
+    elif spelled != answer.text and not _stopped_at_string(answer, spelled, body, piece):
         return _fail(AuditFailure.TEXT_MISMATCH, f"{len(body)} ids spell {len(spelled)} characters, "
                                                  f"the client received {len(answer.text)}")
     return CheckedIds(ids=tuple(body), ended_with_stop=ended)

@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway.protocol.openai import LOGPROBS, RESPONSE_FORMAT, TOOLS
 from gateway.protocol.sse import ChunkFramer, frame
+from gateway.protocol.tools import OPEN, could_be_call, parse_tool_calls
 
 SIMULATED_FEATURES = frozenset({TOOLS, RESPONSE_FORMAT, LOGPROBS})
 
@@ -67,3 +68,56 @@ def logprobs_of(text: str, logprob: float) -> dict[str, Any]:
     """``choice.logprobs`` for one token (with itself as its one alternative)."""
     entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
     return {"content": [{**entry, "top_logprobs": [entry]}]}
+
+
+def call_frames(out: ChunkFramer, calls: list[tuple[str, str]], ids: list[int] | None, id_prefix: str) -> list[bytes]:
+    """Whole tool calls (parsed from the model's text) as deltas: each call's id, type and name, then its arguments.
+    ``ids``: every token id the model wrote for them, in order, spread so that each delta names some (a delta with
+    text and no ids would make the whole answer count by characters): one each, the rest on the last.
+    """
+    deltas: list[dict[str, Any]] = []
+    for i, (name, arguments) in enumerate(calls):
+        deltas.append({"index": i, "id": f"{id_prefix}{i}", "type": "function",
+                       "function": {"name": name, "arguments": ""}})
+        deltas.append({"index": i, "function": {"arguments": arguments}})
+    frames = []
+    for k, delta in enumerate(deltas):
+        obj = out.chunk({"tool_calls": [delta]}, None)
+        if ids:
+            share = ids[k:k + 1] if k < len(deltas) - 1 else ids[k:]
+            if share:
+                obj["choices"][0]["token_ids"] = share
+        frames.append(frame(obj))
+    return frames
+
+
+class CallGate:
+    """Holds back the start of an answer that may be a tool call, as a runtime's tool parser does.
+
+    Text flows through untouched once it cannot be a call; an answer that opens with ``<tool_call>`` is held whole
+    and, at the end, sent as the calls it parses to (or as text, when it does not parse).
+    """
+
+    def __init__(self) -> None:
+        self.held: list[tuple[str, list[int]]] = []
+        self.decided: bool | None = None  # None: not known yet; True: a call (held to the end); False: text
+
+    def feed(self, pieces: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+        """Pieces (text, ids) of the answer so far; returns those that may be sent as text now."""
+        if self.decided is False:
+            return pieces
+        self.held += pieces
+        if self.decided is None:
+            text = "".join(t for t, _ in self.held)
+            if text.lstrip().startswith(OPEN):
+                self.decided = True
+            elif not could_be_call(text):
+                self.decided = False
+                ready, self.held = self.held, []
+                return ready
+        return []
+
+    def finish(self) -> tuple[list[tuple[str, list[int]]], list[tuple[str, str]] | None]:
+        """At the end: the pieces held, and the calls they make (None: send them as text)."""
+        held, self.held = self.held, []
+        return held, parse_tool_calls("".join(t for t, _ in held)) if self.decided else None

@@ -33,13 +33,15 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.protocol.openai import SUBNET_SAMPLER, requested_max_tokens
+from gateway.protocol.openai import SUBNET_SAMPLER, TOOLS, requested_max_tokens
 from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
+from gateway.protocol.tools import prompt_messages
 from neurons.model.engine import ContextOverflow, EngineThread, LlamaEngine
 from neurons.model.packaged import MODEL_ID, ModelUnavailable
 
 from .base import RuntimeFailure, RuntimeHealth
+from .features import CallGate, call_frames
 
 _END = object()  # the worker's last item
 
@@ -53,7 +55,7 @@ class LlamaRuntime:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.name = f"llama.cpp:{model}"
         self.sampler: str | None = SUBNET_SAMPLER  # seeded requests are drawn with it (LlamaEngine.choose)
-        self.features: frozenset[str] = frozenset()  # plain chat only
+        self.features: frozenset[str] = frozenset({TOOLS})  # in the subnet's tool format (gateway.protocol.tools)
         self.model = model
         self._path = path
         self._slots = slots
@@ -123,10 +125,11 @@ class LlamaRuntime:
         if not self._ready:
             raise RuntimeFailure(f"runtime not ready ({self._state})", status=503, type="server_error",
                                  code="runtime_not_ready")
-        messages = payload.get("messages")
-        if not isinstance(messages, list):
+        if not isinstance(payload.get("messages"), list):
             raise RuntimeFailure("messages must be a list", status=400, type="invalid_request_error",
                                  code="invalid_value")
+        messages = prompt_messages(payload)  # tools in the subnet's format: the prompt the reference renders too
+        gate = CallGate() if payload.get("tools") and payload.get("tool_choice", "auto") != "none" else None
         max_tokens = requested_max_tokens(payload)
         sampling = SamplingParams.of(payload)
         seed = payload.get("seed")
@@ -174,6 +177,8 @@ class LlamaRuntime:
             finish = "length"
 
             def chunks(pieces: list[tuple[str, list[int]]]) -> list[bytes]:
+                if gate is not None:
+                    pieces = gate.feed(pieces)
                 return [out.tokens(t, ids) if want_ids else out.content(t) for t, ids in pieces if t or ids]
 
             while True:
@@ -206,6 +211,14 @@ class LlamaRuntime:
                 tail_text = decoder.decode(b"", final=True)
                 tail += chunks(text_out.feed(tail_text, held) if tail_text or held else [])
                 tail += chunks(text_out.flush())
+            if gate is not None:
+                held_pieces, calls = gate.finish()
+                if calls:
+                    ids = [i for _, piece_ids in held_pieces for i in piece_ids] if want_ids else None
+                    tail += call_frames(out, calls, ids, "call_" + secrets.token_hex(6))
+                    finish = "tool_calls"
+                else:
+                    tail += [out.tokens(t, i) if want_ids else out.content(t) for t, i in held_pieces if t or i]
             tail.append(frame(out.chunk({}, finish)))
             if include_usage:
                 tail.append(out.usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion,
