@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from neurons.model.chat_template import render
 
 
@@ -35,7 +37,7 @@ def test_tools_and_tool_history_render_as_plain_turns() -> None:
     from gateway.protocol.tools import prompt_messages
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    payload = {"messages": [
+    payload: dict[str, Any] = {"messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},

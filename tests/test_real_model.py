@@ -441,8 +441,8 @@ async def test_tool_requests_are_audited_on_the_prompt_the_runtime_rendered(refe
     """Tools and tool history render into the prompt the same way on the runtime and the reference (the subnet's tool
     format), so an honest answer to a tool request passes; a tool call the model did not write is streamed as a call
     (the runtime's parser) and fails its audit; ids that do not spell the calls the client got fail too."""
-    asking = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": WEATHER,
-              "max_tokens": 40}
+    asking: dict[str, Any] = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                              "tools": WEATHER, "max_tokens": 40}
     history = {**asking, "messages": [*asking["messages"], {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}]}
