@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from scoring.measurement import FailureReason
 
-from .protocol.sse import DONE, ChunkDecoder, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser
+from .protocol.sse import DONE, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser, parse_chunk
 
 CHARS_PER_TOKEN_CAP = 32  # characters of answer text allowed per token of max_tokens (plus one chunk's worth)
 HELD_CHUNK_OVERHEAD = 64  # what holding one more piece of text costs beyond its characters (a str object)
@@ -74,7 +74,7 @@ class StreamMeter:
         self.max_tokens = max_tokens
         self.started_at = started_at
         self._parser = SSEParser(max_line_bytes=max_line_bytes)
-        self._decoder = ChunkDecoder(max_content_chars)
+        self._max_content = max_content_chars
         self.tokens = 0
         self.ttft_s: float | None = None
         self.last_event_at = started_at  # any valid event: what the stall deadline counts from
@@ -146,7 +146,7 @@ class StreamMeter:
                 self.done = True
                 break
             try:
-                chunk = self._decoder.decode(ev)
+                chunk = parse_chunk(ev, self._max_content)
             except SSEErrorEvent as e:
                 raise MeterFailure(FailureReason.DROPPED, str(e)) from None
             except SSEGarbage as e:

@@ -1,15 +1,16 @@
 """Server-sent events from untrusted bytes, and the frames the gateway writes.
 
 A miner controls every byte of its stream, so parsing is incremental and bounded: a line longer than
-``max_line_bytes`` (no newline in sight), invalid UTF-8, invalid JSON, NaN/Infinity (or a number that
-overflows to inf) and a chunk of the wrong shape are all :class:`SSEGarbage` — the miner's failure,
-never a crash or an unbounded buffer in the gateway.
+``max_line_bytes`` (no newline in sight), invalid UTF-8, invalid JSON (NaN and Infinity included), a lone
+surrogate, and a chunk of the wrong shape are all :class:`SSEGarbage`: the miner's failure, never a crash or an
+unbounded buffer in the gateway.
 
-The hot path is one chunk per token per stream, so both directions have a per-stream fast path:
-:class:`ChunkDecoder` learns the miner's content-only chunk as a proven template (everything but the
-content string fixed) and then validates each such chunk with a prefix/suffix compare; :class:`ChunkFramer`
-writes the client's content chunks from cached bytes around one JSON-escaped string. Both produce exactly
-what the slow path (:func:`parse_chunk`, :func:`frame`) would.
+The hot path is one chunk per token per stream. A chunk is decoded and checked against the chunk's schema in
+one pass of C (msgspec, typed structs: types, the role, the finish reason, token-id and usage bounds), 0.46 us a
+chunk here against 2.5 us for the hand-learned template this replaced (which guessed on untrusted bytes and had
+to be proved again for every format change) and 4.3 us for ``json.loads`` and checks in Python; only lengths,
+and the rare tool-call deltas and logprobs, are checked in Python after it. :class:`ChunkFramer` writes the
+client's content chunks from cached bytes around one JSON-escaped string, byte for byte what :func:`frame` does.
 
 Example::
 
@@ -19,7 +20,6 @@ Example::
     events[1] == DONE                   # True
     frame(chunk_json) / DONE_FRAME      # bytes to write to a client
 
-    dec = ChunkDecoder()                # one per upstream stream: dec.decode(data) == parse_chunk(data)
     out = ChunkFramer("chatcmpl-1", 1700000000, "tensorgate/sim-5090")
     out.content("hi")                   # == frame({"id": "chatcmpl-1", ..., "choices": [{... "content": "hi"} ...]})
 """
@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 DONE = "[DONE]"
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -141,60 +142,7 @@ class ChunkInfo:
             "arguments", "") for c in self.tool_calls)
 
 
-def _reject_constant(name: str) -> float:
-    raise SSEGarbage(f"non-finite number {name} in chunk")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise SSEGarbage("number overflows to infinity")
-    return value
-
-
-# One decoder for every call: json.loads(**kw) would build a decoder and its scanner per chunk.
-_STRICT = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
-
-
-def loads_strict(text: str) -> Any:
-    """``json.loads`` that rejects NaN, Infinity and overflowing numbers."""
-    try:
-        return _STRICT.decode(text)
-    except SSEGarbage:
-        raise
-    except (ValueError, RecursionError) as e:
-        raise SSEGarbage(f"invalid JSON: {type(e).__name__}") from None
-
-
-_FINISH = {"stop", "length", "content_filter", "tool_calls", "function_call"}
 MAX_TOKEN_ID = 2**31 - 1
-
-
-def _token_ids(value: Any, limit: int) -> tuple[int, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or len(value) > limit:
-        raise SSEGarbage(f"choice.token_ids is not a list of at most {limit} ids")
-    for t in value:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
-            raise SSEGarbage("choice.token_ids holds something other than token ids")
-    return tuple(value)
-
-
-def _usage(value: Any) -> dict[str, int] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise SSEGarbage("usage is not an object")
-    out: dict[str, int] = {}
-    for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
-        v = value.get(k)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise SSEGarbage(f"usage.{k} is not a non-negative integer")
-        out[k] = v
-    return out
 
 
 MAX_TOOL_CALLS = 128  # tool calls one answer may make (as the gateway's MAX_TOOLS)
@@ -273,157 +221,80 @@ def _logprobs(value: Any, max_entries: int) -> dict[str, Any] | None:
     return {"content": [_logprob_entry(e, True) for e in content]}
 
 
-def parse_chunk(data: str, max_content_chars: int = 4096) -> ChunkInfo:
-    """Validate one event's data as a chat-completion chunk (n=1)."""
-    obj = loads_strict(data)
-    if not isinstance(obj, dict):
-        raise SSEGarbage("chunk is not an object")
-    if "error" in obj and "choices" not in obj:
-        raise SSEErrorEvent("miner sent an error event")
-    obj_type = obj.get("object")
-    if obj_type is not None and obj_type != "chat.completion.chunk":
-        raise SSEGarbage("chunk object is not chat.completion.chunk")
-    choices = obj.get("choices")
-    if not isinstance(choices, list) or len(choices) > 1:
-        raise SSEGarbage("chunk choices is not a list of at most one choice")
-    usage = _usage(obj.get("usage"))
+class _Delta(msgspec.Struct):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: Any = None  # rare: checked in Python (:func:`_tool_call_deltas`)
+
+
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    finish_reason: Literal["stop", "length", "content_filter", "tool_calls", "function_call"] | None = None
+    token_ids: list[_TokenId] | None = None
+    logprobs: Any = None  # rare: checked in Python (:func:`_logprobs`)
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: _Count | None = None
+    completion_tokens: _Count | None = None
+    total_tokens: _Count | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """A ``chat.completion.chunk`` as the gateway reads it; every other field is skipped (still well-formed JSON)."""
+
+    object: Literal["chat.completion.chunk"] | None = None
+    choices: Annotated[list[_Choice], msgspec.Meta(max_length=1)] | None = None  # n=1: one answer a stream
+    usage: _Usage | None = None
+    error: Any = None  # an error event (no choices): the miner gave up mid-stream
+
+
+_DECODER = msgspec.json.Decoder(_Chunk)
+
+
+def parse_chunk(data: str | bytes, max_content_chars: int = 4096) -> ChunkInfo:
+    """Validate one event's data as a chat-completion chunk (n=1); raises :class:`SSEGarbage` (or
+    :class:`SSEErrorEvent` for an error event)."""
+    try:
+        obj = _DECODER.decode(data)
+    except msgspec.ValidationError as e:
+        raise SSEGarbage(f"chunk: {e}") from None
+    except msgspec.DecodeError as e:
+        raise SSEGarbage(f"invalid JSON: {e}") from None
+    choices = obj.choices
+    if choices is None:
+        if obj.error is not None:
+            raise SSEErrorEvent("miner sent an error event")
+        raise SSEGarbage("chunk has no choices list")
+    u = obj.usage
+    usage = None if u is None else {k: v for k, v in (("prompt_tokens", u.prompt_tokens),
+                                                      ("completion_tokens", u.completion_tokens),
+                                                      ("total_tokens", u.total_tokens)) if v is not None}
     if not choices:
         return ChunkInfo(role=None, content="", finish_reason=None, usage=usage)
     choice = choices[0]
-    if not isinstance(choice, dict):
-        raise SSEGarbage("choice is not an object")
-    delta = choice.get("delta")
+    delta = choice.delta
     if delta is None:
-        delta = {}
-    if not isinstance(delta, dict):
-        raise SSEGarbage("choice.delta is not an object")
-    role = delta.get("role")
-    if role is not None and role != "assistant":
-        raise SSEGarbage("delta.role is not assistant")
-    content = delta.get("content")
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise SSEGarbage("delta.content is not a string")
-    if len(content) > max_content_chars:
-        raise SSEGarbage(f"chunk content longer than {max_content_chars} characters")
-    finish = choice.get("finish_reason")
-    if finish is not None and (not isinstance(finish, str) or finish not in _FINISH):  # a list is unhashable
-        raise SSEGarbage("unknown finish_reason")
-    ids = _token_ids(choice.get("token_ids"), max_content_chars)
-    calls = delta.get("tool_calls")  # vLLM writes [] on content chunks
-    return ChunkInfo(role=role, content=content, finish_reason=finish, usage=usage, token_ids=ids,
+        role, content, calls = None, "", None
+    else:
+        role, content, calls = delta.role, delta.content or "", delta.tool_calls
+        if len(content) > max_content_chars:
+            raise SSEGarbage(f"chunk content longer than {max_content_chars} characters")
+    ids = choice.token_ids
+    if ids is not None and len(ids) > max_content_chars:
+        raise SSEGarbage(f"choice.token_ids is not a list of at most {max_content_chars} ids")
+    lp = choice.logprobs
+    return ChunkInfo(role=role, content=content, finish_reason=choice.finish_reason, usage=usage,
+                     token_ids=None if ids is None else tuple(ids),
                      tool_calls=None if calls is None or calls == [] else _tool_call_deltas(calls, max_content_chars),
-                     logprobs=_logprobs(choice.get("logprobs"), max_content_chars))
+                     logprobs=None if lp is None else _logprobs(lp, max_content_chars))
 
 
-# Characters that end or escape a JSON string (or are not allowed in one): a string body free of
-# them is one complete JSON string token whose value is the body itself.
-_NOT_PLAIN = re.compile(r'["\\\x00-\x1f]')
-_SENTINEL = "tg\u2603probe"
-
-
-class ChunkDecoder:
-    """:func:`parse_chunk` for one stream, with a fast path for the miner's content-only chunks.
-
-    Servers write every content chunk of a stream alike (``{"id": same, ..., "delta": {"content": "<tok>"},
-    ...}``), so after one such chunk was fully parsed the decoder keeps the text before and after its
-    content string as a template. A later chunk that is exactly ``prefix + body + suffix`` with a body
-    free of quotes, backslashes and control characters *is* that chunk with another content string:
-
-    * the template has no backslash outside the content, so its lexer state is fixed by counting quotes:
-      an even count before the content means the content's opening quote starts a string token;
-    * a plain body closes that token at the suffix's first quote, so the rest lexes byte for byte alike;
-    * a probe parse (the template around a sentinel) proved this token is the ``delta.content`` that
-      wins (not a key, not a duplicate, not another field), and the template passed every other check.
-
-    Chunks that also carry ``token_ids`` get a template with a second hole, ``prefix + body + mid +
-    ids + tail``, where ``ids`` is digits and commas only (numbers lex alike whatever their value) and
-    a probe with sentinel ids proved the hole is ``choice.token_ids``.
-
-    Anything else (role, finish, usage, escapes, new fields, another id) takes the full parse.
-    """
-
-    __slots__ = ("_max", "_prefix", "_suffix", "_mid", "_plen", "_slen", "_learns")
-
-    def __init__(self, max_content_chars: int = 4096, max_learns: int = 4) -> None:
-        self._max = max_content_chars
-        self._prefix = ""
-        self._suffix = ""  # after the content (one hole) or after the ids (two holes)
-        self._mid: str | None = None  # between the content and the ids: a two-hole template
-        self._plen = -1  # no template yet
-        self._slen = 0
-        self._learns = max_learns
-
-    @property
-    def has_template(self) -> bool:
-        return self._plen >= 0
-
-    def decode(self, data: str) -> ChunkInfo:
-        plen = self._plen
-        if plen >= 0 and data.startswith(self._prefix) and data.endswith(self._suffix):
-            end = len(data) - self._slen
-            mid = self._mid
-            if mid is None:
-                if end - plen <= self._max and end >= plen:
-                    body = data[plen:end]
-                    if _NOT_PLAIN.search(body) is None:
-                        return ChunkInfo(None, body, None, None)
-            else:
-                q = data.find('"', plen, end)
-                if 0 <= q - plen <= self._max and data.startswith(mid, q):
-                    body = data[plen:q]
-                    digits = data[q + len(mid):end]
-                    if _NOT_PLAIN.search(body) is None and _ID_LIST.fullmatch(digits) is not None:
-                        ids = tuple(map(int, digits.split(",")))
-                        if len(ids) <= self._max and max(ids) <= MAX_TOKEN_ID:
-                            return ChunkInfo(None, body, None, None, ids)
-        chunk = parse_chunk(data, self._max)
-        if (self._learns > 0 and chunk.content and chunk.role is None and chunk.finish_reason is None
-                and chunk.usage is None):
-            self._learn(data, chunk.content, chunk.token_ids)
-        return chunk
-
-    def _learn(self, data: str, content: str, ids: tuple[int, ...] | None) -> None:
-        self._learns -= 1
-        if _NOT_PLAIN.search(content) is not None or _SENTINEL in data:
-            return  # escaped content: its raw text is not the value; try a later chunk
-        lit = f'"{content}"'
-        i = data.find(lit)
-        while i >= 0:
-            prefix, suffix = data[: i + 1], data[i + 1 + len(content):]
-            if "\\" not in prefix and "\\" not in suffix and prefix.count('"') % 2 == 1:
-                if ids is None:
-                    if _probe(prefix + _SENTINEL + suffix) == ChunkInfo(None, _SENTINEL, None, None):
-                        self._prefix, self._suffix, self._mid = prefix, suffix, None
-                        self._plen, self._slen = len(prefix), len(suffix)
-                        return
-                elif ids and self._learn_ids(prefix, suffix, ids):
-                    return
-            i = data.find(lit, i + 1)
-
-    def _learn_ids(self, prefix: str, suffix: str, ids: tuple[int, ...]) -> bool:
-        digits = ",".join(map(str, ids))
-        j = suffix.find("[" + digits + "]")
-        while j >= 0:
-            mid, tail = suffix[: j + 1], suffix[j + 1 + len(digits):]
-            if mid.startswith('"') and _probe(prefix + _SENTINEL + mid + "7,7" + tail) == ChunkInfo(
-                    None, _SENTINEL, None, None, (7, 7)):
-                self._prefix, self._mid, self._suffix = prefix, mid, tail
-                self._plen, self._slen = len(prefix), len(tail)
-                return True
-            j = suffix.find("[" + digits + "]", j + 1)
-        return False
-
-
-_ID_LIST = re.compile(r"\d{1,10}(?:,\d{1,10})*")
-
-
-def _probe(data: str) -> ChunkInfo | None:
-    try:
-        return parse_chunk(data, len(_SENTINEL))
-    except SSEGarbage:
-        return None
+_SENTINEL = "tg\u2603probe"  # a string no chunk holds: where the framer's cached bytes are cut
 
 
 def frame(obj: Any) -> bytes:
