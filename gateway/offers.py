@@ -13,7 +13,8 @@ fails any check declares nothing (the miner is treated as undeclared), and the m
 declaration is advice to the router, and what the miner then serves is measured and audited like any answer.
 
 Declaring a feature earns nothing by itself: requests that use one are routed to the miners that declared it
-and paid like any other, except where the audit cannot check them (:func:`audit_skip`), which pay 0 where the
+and paid like any other, except where the audit cannot check them (:func:`scoring.audit.policy.audit_skip`),
+which pay 0 where the
 validator audits. So a miner gains nothing by declaring what it cannot serve: a request it mishandles fails it.
 
 Example::
@@ -38,7 +39,6 @@ from loguru import logger
 
 from .http.client import MinerClient
 from .protocol.openai import FEATURES
-from .protocol.tools import uses_tools
 from .router import MinerState, Router
 
 SIGNATURE_HEADER = "X-Miner-Signature"
@@ -127,30 +127,3 @@ async def refresh_offers(router: Router, client: MinerClient, *, concurrency: in
 
     await asyncio.gather(*(one(m) for m in (router.miners() if miners is None else miners)))
     return counts
-
-
-def audit_skip(payload: dict[str, Any], greedy: bool, *, tools: bool = False) -> str | None:
-    """The rule by which the audit cannot check an answer to ``payload``, or None when it can.
-
-    The reference forces the answer's tokens on the subnet's chat template with the subnet's sampler, tools and
-    tool history written out in the subnet's tool format (:mod:`gateway.protocol.tools`) when ``tools`` (a
-    reference that renders them; the toy one does not). It cannot reproduce: a forced tool call
-    (``tool_choice`` ``required`` or a named function: a runtime constrains decoding to it), grammar-constrained
-    decoding (``response_format`` JSON), a ``logit_bias``, and ``top_k`` / ``min_p`` on a sampled answer (outside
-    the subnet sampler's spec; greedy is their argmax either way). ``logprobs`` and ``n`` change no token and are
-    audited as usual.
-    """
-    if uses_tools(payload):
-        if not tools:
-            return "tools"
-        if payload.get("tool_choice") not in (None, "auto", "none"):
-            return "tool_choice"
-    if payload.get("response_format"):
-        return "response_format"
-    if payload.get("logit_bias"):
-        return "logit_bias"
-    if not greedy:
-        for name in ("top_k", "min_p"):
-            if payload.get(name):
-                return name
-    return None

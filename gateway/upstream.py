@@ -44,12 +44,12 @@ from typing import Any
 import aiohttp
 from loguru import logger
 
+from scoring.audit.policy import audit_skip
 from scoring.measurement import Answer, FailureReason, Measurement, MeasurementSink
 
 from .buckets import DECODE_BOUNDS_TOK_S, TTFT_BOUNDS_S, Buckets
 from .http.client import MinerClient
 from .metering import AnswerBudget, MeterFailure, StreamMeter
-from .offers import audit_skip
 from .protocol.errors import CLIENT_FAULT_CODES
 from .protocol.openai import (
     CHAT_PATH,

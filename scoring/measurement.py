@@ -116,7 +116,7 @@ class Measurement:
     slots: int = 1  # streams the miner declared it serves this validator at once, as known at dispatch
     capacity_check: bool = False  # a probe of the round's capacity check: every miner's slots filled at once
     free_draw: bool = False  # sampled, by a miner that declared no subnet sampler: plausibility only, not paid
-    skipped: str | None = None  # the rule by which no audit can check it (gateway.offers.audit_skip): not paid
+    skipped: str | None = None  # the rule by which no audit can check it (scoring.audit.policy.audit_skip): not paid
 
     @property
     def stopped_early(self) -> bool:

@@ -70,7 +70,7 @@ class MinerRound:
     organic: int = 0
     audited: int = 0  # answers teacher-forced on the reference (failed ones also count in failures)
     free_draws: int = 0  # sampled answers from a miner that declared no subnet sampler (not paid where audited)
-    skipped: int = 0  # answers no audit can check (gateway.offers.audit_skip; not paid where audited)
+    skipped: int = 0  # answers no audit can check (scoring.audit.policy.audit_skip; not paid where audited)
     ttft_samples: list[float] = field(default_factory=list)  # successful requests only
     failures: Counter[str] = field(default_factory=Counter)
 

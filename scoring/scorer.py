@@ -79,7 +79,7 @@ class MinerReport:
     settled_value: float = 0.0  # trailing-window value after this round: what weights follow
     capacity: float = 1.0  # routing multiplier from the capacity checks (scoring.capacity)
     free_draws: int = 0  # sampled answers drawn without the subnet's sampler (the miner declared none): not paid
-    skipped: int = 0  # answers no audit can check (tools, JSON mode, ...: gateway.offers.audit_skip): not paid
+    skipped: int = 0  # answers no audit can check (tools, JSON mode, ...: scoring.audit.policy.audit_skip): not paid
 
     @property
     def audit_passed(self) -> int:

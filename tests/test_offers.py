@@ -13,12 +13,12 @@ from gateway.offers import (
     SIGNATURE_HEADER,
     UNDECLARED,
     OfferError,
-    audit_skip,
     read_offer,
     refresh_offers,
     signed_health,
 )
 from gateway.router import Candidate, Router
+from scoring.audit.policy import audit_skip
 
 BOB, EVE = Keypair.create_from_uri("//Bob"), Keypair.create_from_uri("//Eve")
 
