@@ -1,0 +1,63 @@
+"""What a miner's refusal means, and the error a failed dispatch raises.
+
+A 429 is the truth or a refusal the miner is booked for (:func:`refusal`); a 400 is the client's fault only when
+it names one of the runtime codes for that (:func:`client_fault`). Every other failure is the miner's.
+"""
+
+from __future__ import annotations
+
+import json
+
+from scoring.measurement import FailureReason, Measurement
+
+from ..protocol.errors import CLIENT_FAULT_CODES
+
+REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
+
+
+def refusal(in_flight: int, slots: int) -> FailureReason:
+    """What a 429 is: the truth (``busy``) when this validator's streams fill the slots the miner declared
+    *before* the request, a refusal the miner is booked for (``refused``) when at least two of them were free,
+    or when none of this validator's streams was on it (whatever it declares: one slot is still one slot).
+
+    ``slots`` is what the miner declared at dispatch, never the refusing response's own header: a miner
+    declaring 4 slots on answers and 1 on each 429 turned every refusal into the truth (issue 23: 1.34-1.47x).
+    The slack of one: the gateway releases a stream when it reads ``[DONE]``, a moment before the miner's
+    handler returns, so a back-to-back dispatch can find an honest miner still counting the last one (the
+    reference miner frees its slot before it sends ``[DONE]``, so it never refuses that way).
+    """
+    if in_flight <= 0:
+        return FailureReason.REFUSED
+    return FailureReason.REFUSED if in_flight + REFUSAL_SLACK < slots else FailureReason.BUSY
+
+
+def client_fault(status: int, body: bytes) -> str | None:
+    """The runtime's message when a miner's refusal says the *request* cannot be served, else None.
+
+    Only a 400 naming one of :data:`~gateway.protocol.errors.CLIENT_FAULT_CODES` counts: anything else
+    a miner refuses with stays its failure. A miner gains nothing by abusing it: a refused request
+    earns no credit.
+    """
+    if status != 400:
+        return None
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(err, dict) or err.get("code") not in CLIENT_FAULT_CODES:
+        return None
+    message = err.get("message")
+    return str(message)[:500] if isinstance(message, str) and message else str(err.get("code"))
+
+
+class UpstreamError(Exception):
+    """The dispatch failed; ``measurement`` (already handed to the sink) says how."""
+
+    def __init__(self, reason: FailureReason, measurement: Measurement, *, status: int | None = None,
+                 after_content: bool = False, detail: str = "") -> None:
+        super().__init__(f"{reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+        self.measurement = measurement
+        self.status = status
+        self.after_content = after_content
+        self.detail = detail
