@@ -330,11 +330,11 @@ def _measure_one(a: argparse.Namespace, path: Path_, c: int, body: bytes, *, see
     return Row(name, c, res, cpu, rss, [p50], [percentile(res.ttfts_ms(), 99)])
 
 
-def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | None, str]], dict]:
+def report(rows: list[Row], levels: list[int], tokens: int) -> tuple[list[tuple[str, bool | None, str]], dict]:
     direct = {r.concurrency: r for r in rows if r.path == "direct"}
     signed = {r.concurrency: r for r in rows if r.path == "signed"}
     headers = ["path", "conc", "ok", "err", "ttft p50", "ttft p99", "+ttft p50", "+ttft p99", "+total p50",
-               "req/s", "cpu ms/req", "peak RSS MB"]
+               "req/s", "cpu ms/req", "cpu us/token", "peak RSS MB"]
     body = []
     added: dict[tuple[str, int], tuple[float, float]] = {}
     for r in rows:
@@ -346,6 +346,7 @@ def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | N
         body.append([r.path, r.concurrency, len(r.result.ok), r.result.errors, r.ttft(50), r.ttft(99),
                      a50 if r.path != "direct" else None, a99 if r.path != "direct" else None,
                      t50 if r.path != "direct" else None, r.result.rps, r.cpu_ms_per_req,
+                     None if r.cpu_ms_per_req is None else 1000.0 * r.cpu_ms_per_req / tokens,
                      None if r.peak_rss is None else r.peak_rss / 2**20])
     print("\n== per path and concurrency (ms; '+' = added over direct at the same concurrency) ==")
     print(table(headers, body))
@@ -403,11 +404,21 @@ def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | N
             continue
         reps = w[6]
         note = "" if reps >= 5 else f" (only {reps} repetitions: run --repeat 5 or more)"
-        checks.append((f"{gw} added TTFT p50 <= 1 ms at {TARGET_C}", w[3] <= 1.0,
+        # issue 28's targets: p99 <= 5 ms at short answers, <= 10 ms at long ones (the p50 <= 1 ms target it replaced
+        # is shown, not gated)
+        bound = 5.0 if tokens <= 16 else 10.0
+        checks.append((f"{gw} added TTFT p50 at {TARGET_C} (shown)", None,
                        f"median over {reps} repetitions {w[3]:.2f} ms over {w[2]} (range {w[4]:.2f} to {w[5]:.2f})"
                        + note))
-        checks.append((f"{gw} added TTFT p99 <= 5 ms at {TARGET_C}", w[7] <= 5.0,
+        checks.append((f"{gw} added TTFT p99 <= {bound:g} ms at {TARGET_C}, {tokens}-token answers", w[7] <= bound,
                        f"median over {reps} repetitions {w[7]:.2f} ms over {w[2]}" + note))
+    by_path = {(r.path, r.concurrency): r for r in rows}
+    gw_row, bare = by_path.get(("gateway", TARGET_C)), by_path.get(("pyrelay", TARGET_C))
+    if gw_row is not None and bare is not None and gw_row.cpu_ms_per_req and bare.cpu_ms_per_req:
+        ratio = gw_row.cpu_ms_per_req / bare.cpu_ms_per_req
+        checks.append((f"gateway CPU per relayed token <= 1.5x the bare relay's at {TARGET_C}", ratio <= 1.5,
+                       f"{1000 * gw_row.cpu_ms_per_req / tokens:.1f} vs {1000 * bare.cpu_ms_per_req / tokens:.1f} us "
+                       f"a token: {ratio:.2f}x ({tokens}-token answers)"))
     g = own.get(("gateway", TARGET_C))
     n = own.get(("nginx", TARGET_C))
     ll = own.get(("litellm", TARGET_C))
@@ -417,7 +428,7 @@ def report(rows: list[Row], levels: list[int]) -> tuple[list[tuple[str, bool | N
         print(f"reference: LiteLLM adds {_ratio(ll, g):.1f}x what the gateway adds at {TARGET_C} streams (not gated)")
     print("\n== targets ==")
     for name, ok, detail in checks:
-        print(f"{'SKIP' if ok is None else verdict(ok)}  {name}: {detail}")
+        print(f"{'NOTE' if ok is None else verdict(ok)}  {name}: {detail}")
     data = {"rows": [{"path": r.path, "concurrency": r.concurrency, "ok": len(r.result.ok), "errors": r.result.errors,
                       "ttft_p50_ms": r.ttft(50), "ttft_p99_ms": r.ttft(99), "total_p50_ms": r.total(50),
                       "rps": r.result.rps, "cpu_ms_per_req": r.cpu_ms_per_req, "peak_rss_bytes": r.peak_rss}
@@ -460,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure(a, paths)
         verified = sum(_health(p)["verified"] for p in ports) - verified0
         rejected = sum(_health(p)["rejected"] for p in ports)
-    checks, data = report(rows, a.levels)
+    checks, data = report(rows, a.levels, a.tokens)
     gw_requests = sum(len(r.result.samples) for r in rows if r.path in GATEWAYS)
     if any(gw in paths for gw in GATEWAYS):
         signed_ok = rejected == 0 and verified >= sum(len(r.result.ok) for r in rows if r.path in GATEWAYS)

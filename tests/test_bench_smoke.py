@@ -78,7 +78,8 @@ def test_gateway_smoke_compares_paths() -> None:
             assert 10.0 <= ttft50 < 1000.0  # the fake miner's first token comes after 10 ms: nothing is faster
     for c in (1, 4):
         g = by[("gateway", c)]
-        assert g[6] != "-" and float(g[10]) > 0 and float(g[11]) > 10  # added TTFT, CPU/request, peak RSS
+        assert g[6] != "-" and float(g[10]) > 0 and float(g[12]) > 10  # added TTFT, CPU/request, peak RSS
+        assert float(g[11]) == pytest.approx(1000 * float(g[10]) / 4, rel=0.02)  # CPU per token: 4-token answers
     if "[skip] nginx" not in out:
         assert ("nginx", 1) in by and ("nginx", 4) in by
     assert "gateway/nginx" in out and "pyrelay/nginx" in out
