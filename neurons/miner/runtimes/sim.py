@@ -193,9 +193,10 @@ class SimulatedRuntime:
         return frames.tokens(text, [token])
 
     def _frames(self, frames: ChunkFramer, tokens: list[int],
-                payload: dict[str, Any]) -> tuple[list[bytes], str | None]:
-        """One frame per token of the answer (and the finish reason it forces, if any): plain text, or the features
-        the request uses (:mod:`.features`). JSON and tool calls name no ids: their text is not the toy model's."""
+                payload: dict[str, Any]) -> tuple[list[bytes] | None, str | None]:
+        """The frames of an answer that uses a feature (:mod:`.features`), one a token, and the finish reason it
+        forces; None for plain text, framed a tick at a time (a long answer framed at once would hold the event
+        loop for milliseconds). JSON and tool calls name no ids: their text is not the toy model's."""
         tool = tool_to_call(payload)
         if tool is not None:
             text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
@@ -212,7 +213,7 @@ class SimulatedRuntime:
                 obj["choices"][0]["token_ids"] = [t]
                 out.append(frame(obj))
             return out, None
-        return [self._chunk(frames, t) for t in tokens], None
+        return None, None
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
@@ -243,9 +244,15 @@ class SimulatedRuntime:
         named = payload.get("model")
         model = named if isinstance(named, str) else f"sim/{p.name}"
         frames = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()), model)
-        chunks, forced = self._frames(frames, tokens, payload)
+        featured, forced = self._frames(frames, tokens, payload)
         finish = forced or finish
-        total = len(chunks)
+        total = len(tokens) if featured is None else len(featured)
+
+        def chunks(a: int, b: int) -> bytes:
+            if featured is not None:
+                return b"".join(featured[a:b])
+            return b"".join(self._chunk(frames, t) for t in tokens[a:b])
+
 
         others = self._active
         self._active += 1
@@ -260,7 +267,7 @@ class SimulatedRuntime:
             yield frame(frames.chunk({"role": "assistant"}, None))
             await asyncio.sleep(max(0.0, ttft_real - (loop.time() - now)))
 
-            out = [chunks[0]]
+            out = [chunks(0, 1)]
             emitted = 1
             if garbage:
                 out.append(GARBAGE_FRAME)
@@ -280,7 +287,7 @@ class SimulatedRuntime:
                     continue
                 owed -= k
                 emitted += k
-                yield b"".join(chunks[emitted - k : emitted])
+                yield chunks(emitted - k, emitted)
             if drop_at is not None and emitted >= drop_at:
                 return  # abrupt end: no finish_reason, no [DONE]
             tail = [frame(frames.chunk({}, finish))]
