@@ -38,7 +38,7 @@ from bittensor.sp_core import Keypair
 from loguru import logger
 
 from .http.client import MinerClient
-from .protocol.openai import FEATURES
+from .protocol.openai import FEATURES, SUBNET_SAMPLER
 from .router import MinerState, Router
 
 SIGNATURE_HEADER = "X-Miner-Signature"
@@ -55,6 +55,7 @@ class OfferError(ValueError):
 class Offer:
     models: frozenset[str]  # empty: the subnet's model
     features: frozenset[str]
+    sampler: str | None = None  # the sampler its runtime declares (gateway.protocol.openai.SAMPLER_HEADER's values)
 
 
 UNDECLARED = Offer(frozenset(), frozenset())
@@ -90,7 +91,9 @@ def read_offer(body: bytes, signature: str | None, hotkey: str) -> Offer:
     features = obj.get("features") or []
     if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
         raise OfferError("features is not a list of names")
-    return Offer(frozenset(models), frozenset(f for f in features if f in FEATURES))  # unknown ones: ignored
+    sampler = obj.get("sampler")
+    return Offer(frozenset(models), frozenset(f for f in features if f in FEATURES),  # unknown ones: ignored
+                 sampler if isinstance(sampler, str) else None)
 
 
 async def fetch_offer(client: MinerClient, endpoint: str, hotkey: str, *, timeout_s: float = 5.0) -> Offer:
@@ -116,6 +119,9 @@ async def refresh_offers(router: Router, client: MinerClient, *, concurrency: in
             try:
                 offer = await fetch_offer(client, m.endpoint, m.hotkey, timeout_s=timeout_s)
                 counts["read"] += 1
+                # the sampler too, so a miner's first sampled answer is not a free draw (its answers' header, the
+                # live declaration, follows: gateway.upstream.dispatch.Upstream.learn_sampler)
+                m.declares_sampler = offer.sampler == SUBNET_SAMPLER
             except OfferError as e:
                 logger.debug("uid {}: /health declares nothing ({})", m.uid, e)
                 offer = UNDECLARED

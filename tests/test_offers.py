@@ -82,15 +82,21 @@ async def test_refresh_reads_every_miners_offer_and_keeps_it_when_unreachable(ma
     a.models, a.features = ("org/a",), frozenset({"tools"})
     b = await make_miner(tag="b")
     b.features = frozenset()
+    c = await make_miner(tag="c")
+    c.sampler = None  # a stock runtime: its own RNG
     r = Router()
     r.sync([Candidate(uid=1, hotkey=a.hotkey, endpoint=a.endpoint), Candidate(uid=2, hotkey=b.hotkey,
                                                                                endpoint=b.endpoint),
-            Candidate(uid=3, hotkey=a.hotkey, endpoint=b.endpoint)])  # b's endpoint under a's hotkey: not a's
+            Candidate(uid=3, hotkey=a.hotkey, endpoint=b.endpoint),  # b's endpoint under a's hotkey: not a's
+            Candidate(uid=4, hotkey=c.hotkey, endpoint=c.endpoint)])
     async with MinerClient() as client:
         counts = await refresh_offers(r, client, timeout_s=3)
         got = {m.uid: (set(m.models), set(m.features)) for m in r.miners()}
-        assert got == {1: ({"org/a"}, {"tools"}), 2: (set(), set()), 3: (set(), set())}
-        assert counts == {"read": 2, "kept": 0, "undeclared": 1}
+        assert got == {1: ({"org/a"}, {"tools"}), 2: (set(), set()), 3: (set(), set()), 4: (set(), c.features)}
+        # the sampler is read with the offer: a miner's first sampled answer is seeded, not a free draw
+        # (uid 3's /health failed its checks: what it declared is not read, its sampler left as it was)
+        assert [m.declares_sampler for m in r.miners()] == [True, True, False, False]
+        assert counts == {"read": 3, "kept": 0, "undeclared": 1}
         await a.stop()  # unreachable now: its last offer stands (a restarting miner keeps its routes)
         counts = await refresh_offers(r, client, timeout_s=3)
         assert counts["kept"] == 1 and r.get(1) is not None and r.get(1).models == {"org/a"}  # type: ignore[union-attr]

@@ -177,6 +177,7 @@ class FakeMiner:
         c = self.counters
         body, headers = signed_health(self.keypair, {
             "status": "ok", "slots": self.slots, "busy": self.active, "models": list(self.models),
+            "sampler": self.sampler or "own",
             "features": sorted(self.features), "served": c.finished, "verified": c.verified, "unsigned": c.unsigned,
             "rejected": c.auth_failures, "busy_refusals": c.busy_refusals})
         return web.Response(body=body, content_type="application/json", headers=headers)
