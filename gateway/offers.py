@@ -38,8 +38,9 @@ from bittensor.sp_core import Keypair
 from loguru import logger
 
 from .http.client import MinerClient
-from .protocol.openai import FEATURES, SUBNET_SAMPLER
+from .protocol.openai import FEATURES
 from .router import MinerState, Router
+from .upstream import Upstream
 
 SIGNATURE_HEADER = "X-Miner-Signature"
 MAX_MODELS = 16
@@ -121,7 +122,7 @@ async def refresh_offers(router: Router, client: MinerClient, *, concurrency: in
                 counts["read"] += 1
                 # the sampler too, so a miner's first sampled answer is not a free draw (its answers' header, the
                 # live declaration, follows: gateway.upstream.dispatch.Upstream.learn_sampler)
-                m.declares_sampler = offer.sampler == SUBNET_SAMPLER
+                Upstream.learn_sampler(m, offer.sampler)
             except OfferError as e:
                 logger.debug("uid {}: /health declares nothing ({})", m.uid, e)
                 offer = UNDECLARED

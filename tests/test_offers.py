@@ -121,6 +121,8 @@ def test_audit_skip_names_what_the_reference_cannot_force() -> None:
     assert audit_skip({"messages": msgs, "top_k": 5}, greedy=True) is None  # greedy is the argmax either way
     assert audit_skip({"messages": msgs, "top_k": 5}, greedy=False) == "top_k"
     assert audit_skip({"messages": msgs, "min_p": 0.1}, greedy=False) == "min_p"
+    assert audit_skip({"model": "org/b", "messages": msgs}, greedy=True, model="org/a") == "model"
+    assert audit_skip({"model": "org/a", "messages": msgs}, greedy=True, model="org/a") is None
 
 
 async def test_a_request_using_a_feature_goes_only_to_miners_that_declared_it(make_miner, make_gateway) -> None:

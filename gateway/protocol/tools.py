@@ -28,6 +28,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from .tokens import message_text
+
 TOOL_FORMAT = "tensorgate-tools/1"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -64,10 +66,10 @@ def tool_messages(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, 
     for m in messages[lead:]:
         role = m.get("role")
         if role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{_plain(m.get('content'))}\n</tool_response>"})
+            out.append({"role": "user", "content": f"<tool_response>\n{message_text(m)}\n</tool_response>"})
         elif role == "assistant" and m.get("tool_calls"):
             blocks = [call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
-            text = _plain(m.get("content"))
+            text = message_text(m)
             out.append({"role": "assistant", "content": "\n".join([text, *blocks] if text else blocks)})
         else:
             out.append(dict(m))
@@ -85,12 +87,6 @@ def uses_tools(payload: dict[str, Any]) -> bool:
     """Whether a chat body has tools or tool history: its prompt is :func:`tool_messages`'."""
     return bool(payload.get("tools")) or any(
         isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in payload.get("messages", ()))
-
-
-def _plain(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ""
 
 
 def could_be_call(text: str) -> bool:

@@ -66,8 +66,7 @@ class UpstreamStream:
         sampling = SamplingParams.of(body)
         self.sampling = sampling if lease.miner.declares_sampler else replace(sampling, seed=None)
         self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))
-        self.skipped = audit_skip(body, sampling.greedy, tools=limits.audit_tools) or (
-            "model" if limits.audited_model not in (None, body.get("model")) else None)
+        self.skipped = audit_skip(body, sampling.greedy, tools=limits.audit_tools, model=limits.audited_model)
         self._body = encode_body(body)
         keep = limits.keep_answers and self.skipped is None  # an answer no audit can check is not kept for one
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,

@@ -50,7 +50,7 @@ def apply_verdict(m: Measurement, verdict: Verdict) -> Measurement:
                                answer=None)
 
 
-def audit_skip(payload: dict[str, Any], greedy: bool, *, tools: bool = False) -> str | None:
+def audit_skip(payload: dict[str, Any], greedy: bool, *, tools: bool = False, model: str | None = None) -> str | None:
     """The rule by which the audit cannot check an answer to ``payload``, or None when it can.
 
     The reference forces the answer's tokens on the subnet's chat template with the subnet's sampler, tools and
@@ -58,8 +58,9 @@ def audit_skip(payload: dict[str, Any], greedy: bool, *, tools: bool = False) ->
     reference that renders them; the toy one does not). It cannot reproduce: a forced tool call
     (``tool_choice`` ``required`` or a named function: a runtime constrains decoding to it), grammar-constrained
     decoding (``response_format`` JSON), a ``logit_bias``, and ``top_k`` / ``min_p`` on a sampled answer (outside
-    the subnet sampler's spec; greedy is their argmax either way). ``logprobs`` and ``n`` change no token and are
-    audited as usual.
+    the subnet sampler's spec; greedy is their argmax either way), nor an answer on another model than ``model``,
+    the one it runs (None: any; ``model``: a reference per model is not built). ``logprobs`` and ``n`` change no
+    token and are audited as usual.
     """
     if uses_tools(payload):
         if not tools:
@@ -74,4 +75,6 @@ def audit_skip(payload: dict[str, Any], greedy: bool, *, tools: bool = False) ->
         for name in ("top_k", "min_p"):
             if payload.get(name):
                 return name
+    if model is not None and payload.get("model") != model:
+        return "model"
     return None
