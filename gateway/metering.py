@@ -21,9 +21,11 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 from scoring.measurement import FailureReason
 
-from .protocol.sse import DONE, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser, parse_chunk
+from .protocol.sse import DONE, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser, fold_tool_calls, parse_chunk
 
 CHARS_PER_TOKEN_CAP = 32  # characters of answer text allowed per token of max_tokens (plus one chunk's worth)
 HELD_CHUNK_OVERHEAD = 64  # what holding one more piece of text costs beyond its characters (a str object)
@@ -89,7 +91,7 @@ class StreamMeter:
         self.keep_answer = keep_answer
         self.text: list[str] = []
         self.ids: list[int] = []
-        self.calls: dict[int, list[str]] = {}  # tool calls streamed (index -> [name, arguments]), kept with the text
+        self.calls: dict[int, dict[str, Any]] = {}  # tool calls streamed (sse.fold_tool_calls), kept with the text
         self.ids_complete = True  # every content chunk named its token ids
         # What one answer may weigh: a non-streamed answer is held whole, so a miner sending 4 KB per
         # token at max_tokens would cost 16 MB a request (issue 15: 16 such requests took RSS 82 -> 446 MB).
@@ -184,11 +186,7 @@ class StreamMeter:
                 if self.keep_answer:
                     self.text.append(chunk.content)
                     if chunk.tool_calls is not None:
-                        for d in chunk.tool_calls:
-                            call = self.calls.setdefault(d["index"], ["", ""])
-                            fn = d.get("function") or {}
-                            call[0] += fn.get("name", "")
-                            call[1] += fn.get("arguments", "")
+                        fold_tool_calls(self.calls, chunk.tool_calls)
                 if self.ttft_s is None:
                     self.ttft_s = now - self.started_at
                     self._first_in_flight = in_flight

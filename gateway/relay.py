@@ -55,7 +55,7 @@ from .protocol.errors import (
 )
 from .protocol.openai import ChatRequest
 from .protocol.sampling import GOLDEN, SEED_MAX, is_seed
-from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, frame
+from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, fold_tool_calls, frame
 from .router import Router
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
 
@@ -382,7 +382,7 @@ class Relay:
             for ch in batch:
                 parts.append(ch.content)
                 if ch.tool_calls is not None:
-                    _merge_calls(calls, ch.tool_calls)
+                    fold_tool_calls(calls, ch.tool_calls)
                 if ch.logprobs is not None:
                     logprobs = (logprobs or []) + ch.logprobs["content"]
         content = "".join(parts)
@@ -407,17 +407,6 @@ class Relay:
             body["tensorgate"] = self._served_by(streams[0])
         self.outcomes["200"] += 1
         await send_json(send, 200, body, headers={self.config.served_by_header: str(streams[0].uid)})
-
-
-def _merge_calls(calls: dict[int, dict[str, Any]], deltas: tuple[dict[str, Any], ...]) -> None:
-    """Fold streamed tool-call deltas into whole calls: id and type as first named, name and arguments joined."""
-    for d in deltas:
-        call = calls.setdefault(d["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-        if d.get("id"):
-            call["id"] = call["id"] or d["id"]
-        fn = d.get("function") or {}
-        call["function"]["name"] += fn.get("name", "")
-        call["function"]["arguments"] += fn.get("arguments", "")
 
 
 async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:

@@ -434,7 +434,8 @@ async def _served(rt: LlamaRuntime, payload: dict[str, Any]) -> Answer:
     return Answer(messages=prompt_messages(body), sampling=SamplingParams(temperature=0.0),
                   max_tokens=body["max_tokens"], stop=(), text="".join(meter.text), token_ids=tuple(meter.ids),
                   finish_reason=meter.finish_reason,
-                  tool_calls=tuple((c[0], c[1]) for _, c in sorted(meter.calls.items())) or None)
+                  tool_calls=tuple((c["function"]["name"], c["function"]["arguments"])
+                                   for _, c in sorted(meter.calls.items())) or None)
 
 
 async def test_tool_requests_are_audited_on_the_prompt_the_runtime_rendered(reference: LlamaEngine) -> None:

@@ -291,6 +291,19 @@ def _usage(u: _Usage | None) -> dict[str, int] | None:
                               ("total_tokens", u.total_tokens)) if v is not None}
 
 
+def fold_tool_calls(calls: dict[int, dict[str, Any]], deltas: tuple[dict[str, Any], ...]) -> None:
+    """Fold streamed tool-call deltas (:attr:`ChunkInfo.tool_calls`) into whole calls, keyed by index, in the shape of
+    OpenAI's ``message.tool_calls``: id and type as first named, name and arguments joined. The relay assembles a
+    whole answer with it, the meter keeps an answer's calls for its audit."""
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        if d.get("id"):
+            call["id"] = call["id"] or d["id"]
+        fn = d.get("function") or {}
+        call["function"]["name"] += fn.get("name", "")
+        call["function"]["arguments"] += fn.get("arguments", "")
+
+
 _SENTINEL = "tg\u2603probe"  # a string no chunk holds: where the framer's cached bytes are cut
 
 

@@ -53,5 +53,6 @@ def answer_of(payload: dict[str, Any], sampling: SamplingParams, max_tokens: int
         text="".join(meter.text),
         token_ids=tuple(meter.ids) if meter.ids_complete and meter.ids else None,
         finish_reason=meter.finish_reason,
-        tool_calls=tuple((c[0], c[1]) for _, c in sorted(meter.calls.items())) if meter.calls else None,
+        tool_calls=tuple((c["function"]["name"], c["function"]["arguments"]) for _, c in sorted(meter.calls.items()))
+        if meter.calls else None,
     )
