@@ -339,12 +339,15 @@ class ChunkFramer:
         return "text_completion" if self.completion else "chat.completion.chunk"
 
     def chunk(self, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None,
-              **extra: Any) -> dict[str, Any]:
+              token_ids: Sequence[int] | None = None, **extra: Any) -> dict[str, Any]:
+        """One chunk as an object; ``token_ids``: the ids it names (``choice.token_ids``), as a miner sends them."""
         if self.completion:
             choice: dict[str, Any] = {"index": self.index, "text": delta.get("content", ""), "logprobs": None,
                                       "finish_reason": finish}
         else:
             choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = list(token_ids)
         obj: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                                "choices": [choice]}
         obj.update(extra)
@@ -359,9 +362,7 @@ class ChunkFramer:
         Byte-for-byte ``frame(chunk(delta={"content": text}))`` with ``"token_ids": ids`` on the choice."""
         parts = self._with_ids
         if parts is None:
-            obj = self.chunk({"content": _SENTINEL}, None)
-            obj["choices"][0]["token_ids"] = [7, 7]
-            probe = frame(obj)
+            probe = frame(self.chunk({"content": _SENTINEL}, None, token_ids=[7, 7]))
             lit = encode_basestring_ascii(_SENTINEL).encode()
             i = probe.rindex(lit)
             j = probe.rindex(b"[7,7]")

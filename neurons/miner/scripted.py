@@ -40,9 +40,9 @@ from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from .runtimes.features import (
     SIMULATED_FEATURES,
     as_json,
+    call_frames,
     logprobs_of,
     pieces,
-    tool_call_frames,
     tool_to_call,
     wants_json,
 )
@@ -280,7 +280,8 @@ class FakeMiner:
             n = 0
         tool = tool_to_call(body) if s.behavior == "ok" else None
         if tool is not None:  # a tool call in place of text, as a runtime's tool parser streams it
-            frames = tool_call_frames(out, f"call_{self.tag}", tool, json.dumps({"q": self.token(0).strip()}), n)
+            frames = call_frames(out, [(tool, json.dumps({"q": self.token(0).strip()}))], None, f"call_{self.tag}",
+                                 pieces_per_call=max(1, n - 1))
             await until(s.headers_delay + s.first_token_delay)
             await resp.write(prelude + b"".join(frames) + frame(out.chunk({}, "tool_calls")) + DONE_FRAME)
             await resp.write_eof()

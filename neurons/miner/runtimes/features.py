@@ -9,7 +9,7 @@ real ones, which is what the gateway relays, assembles and meters.
 Example::
 
     name = tool_to_call(payload)          # the function to call, or None: answer in text
-    frames = tool_call_frames(out, "call_1", name, '{"query": "hi"}')
+    frames = call_frames(out, [(name, '{"query": "hi"}')], None, "call_", pieces_per_call=4)
 """
 
 from __future__ import annotations
@@ -55,39 +55,28 @@ def pieces(text: str, n: int) -> list[str]:
     return [text[len(text) * i // n: len(text) * (i + 1) // n] for i in range(n)]
 
 
-def tool_call_frames(out: ChunkFramer, call_id: str, name: str, arguments: str, tokens: int) -> list[bytes]:
-    """A tool call as a runtime streams it: one delta naming it, then its arguments in ``tokens`` pieces."""
-    frames = [frame(out.chunk({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
-                                               "function": {"name": name, "arguments": ""}}]}, None))]
-    frames += [frame(out.chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}, None))
-               for piece in pieces(arguments, max(1, tokens - 1))]
-    return frames
-
-
 def logprobs_of(text: str, logprob: float) -> dict[str, Any]:
     """``choice.logprobs`` for one token (with itself as its one alternative)."""
     entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
     return {"content": [{**entry, "top_logprobs": [entry]}]}
 
 
-def call_frames(out: ChunkFramer, calls: list[tuple[str, str]], ids: list[int] | None, id_prefix: str) -> list[bytes]:
-    """Whole tool calls (parsed from the model's text) as deltas: each call's id, type and name, then its arguments.
-    ``ids``: every token id the model wrote for them, in order, spread so that each delta names some (a delta with
-    text and no ids would make the whole answer count by characters): one each, the rest on the last.
+def call_frames(out: ChunkFramer, calls: list[tuple[str, str]], ids: list[int] | None, id_prefix: str, *,
+                pieces_per_call: int = 1) -> list[bytes]:
+    """Tool calls as a runtime's parser streams them: each call's id, type and name, then its arguments in
+    ``pieces_per_call`` pieces. ``ids``: every token id the model wrote for them, in order, spread so that each
+    delta names some (a delta with text and no ids would make the whole answer count by characters): one each,
+    the rest on the last.
     """
     deltas: list[dict[str, Any]] = []
     for i, (name, arguments) in enumerate(calls):
         deltas.append({"index": i, "id": f"{id_prefix}{i}", "type": "function",
                        "function": {"name": name, "arguments": ""}})
-        deltas.append({"index": i, "function": {"arguments": arguments}})
+        deltas += [{"index": i, "function": {"arguments": piece}} for piece in pieces(arguments, pieces_per_call)]
     frames = []
     for k, delta in enumerate(deltas):
-        obj = out.chunk({"tool_calls": [delta]}, None)
-        if ids:
-            share = ids[k:k + 1] if k < len(deltas) - 1 else ids[k:]
-            if share:
-                obj["choices"][0]["token_ids"] = share
-        frames.append(frame(obj))
+        share = (ids[k:k + 1] if k < len(deltas) - 1 else ids[k:]) if ids else None
+        frames.append(frame(out.chunk({"tool_calls": [delta]}, None, token_ids=share or None)))
     return frames
 
 

@@ -47,7 +47,7 @@ from gateway.protocol.tokens import estimate_prompt_tokens
 
 from ...model.toy import MODEL, STOP_SHARE
 from .base import RuntimeFailure, RuntimeHealth
-from .features import SIMULATED_FEATURES, as_json, logprobs_of, pieces, tool_call_frames, tool_to_call, wants_json
+from .features import SIMULATED_FEATURES, as_json, call_frames, logprobs_of, pieces, tool_to_call, wants_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,8 +200,8 @@ class SimulatedRuntime:
         tool = tool_to_call(payload)
         if tool is not None:
             text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
-            return tool_call_frames(frames, "call_" + secrets.token_hex(6), tool, json.dumps({"query": text.strip()}),
-                                    len(tokens)), "tool_calls"
+            return call_frames(frames, [(tool, json.dumps({"query": text.strip()}))], None,
+                               "call_" + secrets.token_hex(6), pieces_per_call=max(1, len(tokens) - 1)), "tool_calls"
         if wants_json(payload):
             text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
             return [frames.content(p) for p in pieces(as_json(text), len(tokens))], "stop"  # the object closed
@@ -209,9 +209,7 @@ class SimulatedRuntime:
             out = []
             for t in tokens:
                 text = MODEL.piece(t).decode()
-                obj = frames.chunk({"content": text}, None, logprobs_of(text, -0.25))
-                obj["choices"][0]["token_ids"] = [t]
-                out.append(frame(obj))
+                out.append(frame(frames.chunk({"content": text}, None, logprobs_of(text, -0.25), token_ids=[t])))
             return out, None
         return None, None
 
