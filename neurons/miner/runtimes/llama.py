@@ -176,10 +176,11 @@ class LlamaRuntime:
             completion = 0
             finish = "length"
 
-            def chunks(pieces: list[tuple[str, list[int]]]) -> list[bytes]:
-                if gate is not None:
-                    pieces = gate.feed(pieces)
+            def framed(pieces: list[tuple[str, list[int]]]) -> list[bytes]:
                 return [out.tokens(t, ids) if want_ids else out.content(t) for t, ids in pieces if t or ids]
+
+            def chunks(pieces: list[tuple[str, list[int]]]) -> list[bytes]:
+                return framed(pieces if gate is None else gate.feed(pieces))
 
             while True:
                 item = await items.get()
@@ -218,7 +219,7 @@ class LlamaRuntime:
                     tail += call_frames(out, calls, ids, "call_" + secrets.token_hex(6))
                     finish = "tool_calls"
                 else:
-                    tail += [out.tokens(t, i) if want_ids else out.content(t) for t, i in held_pieces if t or i]
+                    tail += framed(held_pieces)
             tail.append(frame(out.chunk({}, finish)))
             if include_usage:
                 tail.append(out.usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion,
