@@ -155,7 +155,7 @@ class StreamMeter:
                 raise MeterFailure(FailureReason.GARBAGE, str(e)) from None
             self.last_event_at = now
             ids = chunk.token_ids
-            text = chunk.content if chunk.tool_calls is None else chunk.text  # a tool call's name and arguments too
+            text = chunk.text  # the content, and a tool call's name and arguments
             n = len(ids) if ids else (1 if text else 0)  # the ids it names, else one per content chunk
             if n:
                 if self.tokens + n > self.max_tokens:

@@ -193,20 +193,21 @@ class Relay:
     async def _serve_many(self, req: ChatRequest, send: Send) -> int:
         """``n`` answers at once, each from its own miner, merged into one response (the module's docstring)."""
         cid, created = _completion_id(req), int(time.time())
-        streams: list[UpstreamStream | None] = [None] * req.n
         if not req.stream:
+            streams: list[UpstreamStream | None] = [None] * req.n
             choices: list[dict[str, Any]] = [{} for _ in range(req.n)]
 
             async def whole(i: int) -> None:
                 streams[i] = await self._answer(req, i, lambda s: self._assemble(req, s, choices, i))
 
             await _all(whole(i) for i in range(req.n))
-            done = [s for s in streams if s is not None]
+            done = self._streams_of(streams)
             await self._send_whole(send, req, cid, created, choices, done)
             return sum(s.tokens for s in done)
         reply = Reply(send, self.config.served_by_header, req.n)
         outs = [ChunkFramer(cid, created, req.model, index=i, completion=req.completion) for i in range(req.n)]
-        opened: list[UpstreamStream | None] = [None] * req.n  # each answer's latest stream: what it delivered
+        # each answer's latest stream: what it delivered, and once every answer is in, the streams that made them
+        opened: list[UpstreamStream | None] = [None] * req.n
 
         async def relay(i: int, s: UpstreamStream) -> None:
             opened[i] = s
@@ -215,7 +216,7 @@ class Relay:
                 await reply.write(rest, s.uid)
 
         async def streamed(i: int) -> None:
-            streams[i] = await self._answer(req, i, lambda s: relay(i, s))
+            await self._answer(req, i, lambda s: relay(i, s))
 
         try:
             await _all(streamed(i) for i in range(req.n))
@@ -226,7 +227,7 @@ class Relay:
             error = e.error if isinstance(e, _Broken) else e
             await reply.write(frame(error.body()) + DONE_FRAME, 0, last=True)
             return sum(s.tokens for s in self._streams_of(opened))
-        done = self._streams_of(streams)
+        done = self._streams_of(opened)
         tail = [outs[0].usage(self._usage(req, done))] if req.include_usage else []
         await reply.write(b"".join([*tail, DONE_FRAME]), done[0].uid, last=True)
         self.outcomes["200"] += 1
