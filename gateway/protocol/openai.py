@@ -207,7 +207,7 @@ def _messages(value: Any, limits: SchemaLimits) -> list[dict[str, Any]]:
         calls = m.get("tool_calls")
         if calls is not None and role != "assistant":
             raise bad_request("only assistant messages carry 'tool_calls'", param=f"{p}.tool_calls")
-        if "content" not in m and calls is None or (m.get("content") is None and role != "assistant"):
+        if ("content" not in m and calls is None) or (m.get("content") is None and role != "assistant"):
             raise bad_request("content is required", param=f"{p}.content")
         content = m.get("content")
         msg: dict[str, Any] = {"role": role, "content": "" if content is None else _content(content, f"{p}.content")}
