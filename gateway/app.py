@@ -66,9 +66,10 @@ from .protocol.openai import (
 )
 from .protocol.request_id import request_id
 from .protocol.tokens import PromptCounter
-from .quota import KeyPolicy, QuotaBook, Refusal
+from .quota import KeyPolicy, QuotaBook, Refusal, Ticket
 from .relay import Relay, RelayConfig
 from .router import Router
+from .shared.limits import SharedLimits
 from .upstream import Upstream, UpstreamTimeouts
 
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
@@ -105,6 +106,7 @@ class GatewayConfig:
     # does: gc.freeze() takes it out of full collections, each of which would otherwise scan it while every
     # stream waits (one took 66 ms under load). Off in tests, which start many gateways in one process.
     freeze_heap: bool = True
+    reuse_port: bool = False  # one of several gateway processes on this port (SO_REUSEPORT)
 
     @classmethod
     def from_sources(
@@ -150,6 +152,9 @@ class Gateway:
         router.default_model = config.models[0]  # what a miner that declares no models serves: the subnet's model
         self.auth = ApiKeyAuth(config.api_keys)
         self.quota = QuotaBook()  # usage and limits per key name
+        # Limits summed over every gateway process (gateway.shared.limits), wired by the validator's build when
+        # gateways share Redis; None: this process's book alone.
+        self.key_limits: SharedLimits | None = None
         # Called with every admitted request (the validator keeps its shape, never its text, for probes).
         self.on_request: Callable[[ChatRequest], None] | None = None
         # Writes a key's usage row (QuotaBook.mark_due) before its request is served; the validator saves it
@@ -190,7 +195,7 @@ class Gateway:
         server = HttpServer(self, host=c.host, port=c.port, keepalive_timeout=c.keepalive_timeout,
                             max_head_bytes=c.max_head_bytes, shutdown_timeout=c.shutdown_timeout,
                             max_connections=c.max_connections, header_timeout=c.header_timeout,
-                            body_timeout=c.body_timeout, write_timeout=c.write_timeout)
+                            body_timeout=c.body_timeout, write_timeout=c.write_timeout, reuse_port=c.reuse_port)
         await server.start()
         self._server = server
         if c.freeze_heap:
@@ -448,7 +453,10 @@ class Gateway:
         prompt_tokens = await self._prompt_tokens(policy, req)
         if prompt_tokens != req.prompt_tokens:  # the usage a client reads is what its key was charged
             req = dataclasses.replace(req, prompt_tokens=prompt_tokens)
-        ticket = self.quota.admit(policy, prompt_tokens + req.n * req.max_tokens, time.time())
+        reserve = prompt_tokens + req.n * req.max_tokens
+        shared = self.key_limits
+        ticket = (self.quota.admit(policy, reserve, time.time()) if shared is None
+                  else await shared.admit(policy, reserve))
         if isinstance(ticket, Refusal):
             raise rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
                                ticket.retry_after_s)
@@ -461,7 +469,7 @@ class Gateway:
         self._serving += 1
         self._all_served.clear()
         try:
-            row = self.quota.mark_due(policy, ticket)
+            row = self.quota.mark_due(policy, ticket) if isinstance(ticket, Ticket) else None
             if row is not None and self.save_usage is not None:
                 try:
                     await self.save_usage(row)
@@ -473,7 +481,11 @@ class Gateway:
             used = 0  # no miner answered: nothing was served
             raise
         finally:
-            self.quota.settle(ticket, used, time.time())
+            if shared is not None:
+                shared.settle(ticket, used)
+            else:
+                assert isinstance(ticket, Ticket)
+                self.quota.settle(ticket, used, time.time())
             self._serving -= 1
             if not self._serving:
                 self._all_served.set()

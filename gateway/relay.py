@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scoring.measurement import FailureReason
 
@@ -56,8 +56,11 @@ from .protocol.errors import (
 from .protocol.openai import ChatRequest
 from .protocol.sampling import GOLDEN, SEED_MAX, is_seed
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, fold_tool_calls, frame
-from .router import Router
+from .router import Lease, Router
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
+
+if TYPE_CHECKING:
+    from .shared.leases import SharedLeases
 
 _IDS = random.Random()  # response ids need to be unique, not secret: no urandom syscall per request
 
@@ -77,6 +80,7 @@ def choice_payload(req: ChatRequest, index: int) -> dict[str, Any]:
 
 
 MIN_ATTEMPT_S = 1.0  # a retry is not started with less of the first-byte budget left than this
+FULL_POLL_S = 0.02  # every miner's slots held by other gateway processes: look again this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,10 @@ class Relay:
         self.outcomes = outcomes
         self.stopping = False  # set by cut(): no new miner is tried, streams in progress end
         self._live: set[UpstreamStream] = set()
+        # Several gateway processes (gateway.shared): each lease is held subnet-wide too, and a request that finds
+        # every miner's declared slots held by the others waits for room at most ``full_wait_s``. None: one process.
+        self.leases: SharedLeases | None = None
+        self.full_wait_s = 10.0
 
     def cut(self) -> int:
         """End every stream still in progress (the gateway is stopping and the drain is over); returns how many.
@@ -259,7 +267,7 @@ class Relay:
             timeouts = base if first_token == base.first_token else dataclasses.replace(base, first_token=first_token)
             if self.stopping:
                 raise shutting_down()
-            lease = self.router.acquire(exclude=tried, model=req.model, needs=req.needs)
+            lease = await self._acquire(req, tried, min(budget_ends, loop.time() + self.full_wait_s))
             if lease is None:
                 break
             tried.add(lease.miner.uid)
@@ -300,6 +308,29 @@ class Relay:
         if rejected and not failures:
             raise self._rejected(rejected)  # no other miner was there to say otherwise
         raise _exhausted(failures)
+
+    async def _acquire(self, req: ChatRequest, tried: set[int], wait_until: float) -> Lease | None:
+        """A lease on a miner for ``req`` not yet ``tried``; with shared leases, held subnet-wide too.
+
+        A miner whose declared slots the other processes hold is passed over (the router now knows); when every
+        one is, the request waits for room until ``wait_until``, as the admission queue does for this process's own.
+        """
+        full: set[int] = set()
+        loop = asyncio.get_running_loop()
+        while True:
+            lease = self.router.acquire(exclude=tried | full if full else tried, model=req.model, needs=req.needs)
+            if self.leases is None:
+                return lease
+            if lease is None:
+                if not full or loop.time() + FULL_POLL_S > wait_until or self.stopping:
+                    return None
+                await asyncio.sleep(FULL_POLL_S)  # a release elsewhere is seen at the next refresh
+                full.clear()
+                continue
+            if await self.leases.hold(lease):
+                return lease
+            self.router.release(lease)
+            full.add(lease.miner.uid)
 
     def _rejected(self, rejected: list[UpstreamError]) -> GatewayError:
         self.outcomes["400"] += 1

@@ -72,6 +72,10 @@ class MinerState:
     score: float | None = None  # None: not measured yet, routed at the prior
     in_flight: int = 0
     delivering: int = 0  # streams in flight that have sent content: the load a miner cannot fake by hanging
+    # The other gateway processes' requests on it, and how many of those deliver (gateway.shared.leases; 0 with one
+    # process): least-in-flight, declared slots and the decode concurrency a rate is judged at are subnet-wide.
+    elsewhere: int = 0
+    elsewhere_delivering: int = 0
     served: int = 0
     passes: float = 0.0  # stride-scheduling pass: grows by 1/score per dispatch
     quarantined: bool = False  # failed its audits: out of organic routing, reachable by probes only
@@ -84,7 +88,7 @@ class MinerState:
 
     @property
     def load(self) -> float:
-        return self.in_flight / self.slots
+        return (self.in_flight + self.elsewhere) / self.slots
 
 
 @dataclass(slots=True, eq=False)
@@ -96,12 +100,16 @@ class Lease:
     released: bool = False
     slots_at_dispatch: int = 1  # what the miner had declared when this request was sent: refusals are judged on it
     delivering: bool = False  # the stream has sent content (counted in ``miner.delivering`` until released)
+    token: str | None = None  # its name among the shared leases (gateway.shared.leases); None: this process only
+    on_deliver: Callable[[Lease], None] | None = field(default=None, repr=False)  # Router.on_deliver at dispatch
 
     def start_delivering(self) -> None:
         """The stream sent its first content: from now on it is load on the miner (once)."""
         if not self.delivering and not self.released:
             self.delivering = True
             self.miner.delivering += 1
+            if self.on_deliver is not None:
+                self.on_deliver(self)
 
 
 class _Bucket:
@@ -248,6 +256,9 @@ class Router:
         # Called whenever room may have freed (a release, a miner's slots or the membership changed): the gateway
         # wires its admission queue's wake here (gateway.admission), which lets waiting requests go. None: no one.
         self.on_room: Callable[[], None] | None = None
+        # Told of each release and each lease's first content (gateway.shared.leases mirrors them in Redis).
+        self.on_release: Callable[[Lease], None] | None = None
+        self.on_deliver: Callable[[Lease], None] | None = None
 
     # -- membership and scores -------------------------------------------------------------------
 
@@ -409,7 +420,8 @@ class Router:
         m = self._miners.get(uid)
         if m is None:
             return None
-        lease = Lease(miner=m, in_flight_at_dispatch=m.in_flight, slots_at_dispatch=m.slots)
+        lease = Lease(miner=m, in_flight_at_dispatch=m.in_flight + m.elsewhere, slots_at_dispatch=m.slots,
+                      on_deliver=self.on_deliver)
         self._unbucket(m)
         m.in_flight += 1
         m.passes = self._pass(m) + 1.0 / (self._weight(m) or self._prior or 1.0)
@@ -433,8 +445,38 @@ class Router:
             m.served += 1
         if live:
             self._bucket_in(m)
+        if self.on_release is not None:
+            self.on_release(lease)
         if self.on_room is not None:
             self.on_room()
+
+    def set_elsewhere(self, counts: Mapping[str, tuple[int, int]]) -> None:
+        """The other gateway processes' ``(in flight, delivering)`` per hotkey (absent: 0, 0): shared leases."""
+        roomier = False
+        for m in self._miners.values():
+            roomier |= self._elsewhere(m, *counts.get(m.hotkey, (0, 0)))
+        if roomier and self.on_room is not None:
+            self.on_room()
+
+    def note_elsewhere(self, m: MinerState, in_flight: int) -> None:
+        """What one shared lease call just said about the other processes' requests on ``m``."""
+        if self._elsewhere(m, in_flight, m.elsewhere_delivering) and self.on_room is not None:
+            self.on_room()
+
+    def _elsewhere(self, m: MinerState, n: int, d: int) -> bool:
+        """Set ``m``'s counts from elsewhere; True when it now has more room."""
+        n, d = max(0, int(n)), max(0, int(d))
+        m.elsewhere_delivering = d
+        if n == m.elsewhere:
+            return False
+        roomier = n < m.elsewhere
+        live = self._miners.get(m.uid) is m
+        if live:
+            self._unbucket(m)
+        m.elsewhere = n
+        if live:
+            self._bucket_in(m)
+        return roomier
 
     # -- inspection ------------------------------------------------------------------------------
 
@@ -454,7 +496,7 @@ class Router:
 
     def free_slots(self) -> int:
         """Declared slots free on routable miners, in all (for the admission queue, only while requests wait)."""
-        return sum(max(0, m.slots - m.in_flight) for m in self._miners.values() if not m.quarantined)
+        return sum(max(0, m.slots - m.in_flight - m.elsewhere) for m in self._miners.values() if not m.quarantined)
 
     def routable(self) -> int:
         """Miners organic requests may go to (every one but the quarantined): what ``/ready`` needs above 0."""

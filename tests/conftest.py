@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +18,7 @@ from neurons.validator.build import ValidatorParts, build_parts
 from neurons.validator.config import ValidatorConfig
 from scoring.measurement import MeasurementQueue
 from tests.fakes import MODEL, DeadMiner, FakeMiner, LoopbackMiner, Script
+from tests.redis_server import RedisServer
 
 API_KEY = "sk-test-0123456789"
 # Short deadlines so fault tests end quickly, yet generous enough for a loaded 2-core machine.
@@ -153,3 +154,18 @@ async def make_gateway(alice: Keypair) -> AsyncIterator[Callable[..., Awaitable[
     for h, parts in made:
         await h.client.close()
         await parts.aclose()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real Redis for the session (tests that kill Redis start their own)."""
+    server = RedisServer().start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's Redis, emptied for this test."""
+    redis_server.flush()
+    return redis_server.url

@@ -81,8 +81,9 @@ class _QuietBadRequests(logging.Filter):
 logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
 
 
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
-    """A listening TCP socket whose ``proto`` is ``IPPROTO_TCP``.
+def _listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket whose ``proto`` is ``IPPROTO_TCP``; ``reuse_port``: one of several processes serving
+    the port (``SO_REUSEPORT``: the kernel spreads new connections among them).
 
     asyncio turns Nagle off (``TCP_NODELAY``) only on sockets whose ``proto`` says TCP; one made by
     ``socket.create_server`` says 0, its accepted connections keep Nagle, and each stream's last
@@ -93,6 +94,8 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(backlog)
         sock.setblocking(False)
@@ -238,8 +241,9 @@ class HttpServer:
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, keepalive_timeout: float = 75.0,
                  max_head_bytes: int = 16 * 1024, shutdown_timeout: float = 5.0, backlog: int = 2048,
                  max_connections: int = 2048, header_timeout: float = 10.0, body_timeout: float = 30.0,
-                 max_headers: int = 128, write_timeout: float = 30.0) -> None:
+                 max_headers: int = 128, write_timeout: float = 30.0, reuse_port: bool = False) -> None:
         self.app = app
+        self.reuse_port = reuse_port
         self.write_timeout = write_timeout
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
@@ -273,7 +277,7 @@ class HttpServer:
             logger.warning("client connections capped at {} (half the open-files limit), not {}", cap,
                            self.max_connections)
             self.max_connections = cap
-        sock = _listen(self.host, self.requested_port, self.backlog)
+        sock = _listen(self.host, self.requested_port, self.backlog, self.reuse_port)
         loop = asyncio.get_running_loop()
         self._clock = ConnectionDeadlines(loop, head_s=self.header_timeout, idle_s=self.keepalive_timeout,
                                           expire=_force_close)

@@ -207,8 +207,9 @@ class UpstreamStream:
                     self.meter.end()
                     self._finish(None)
                     return []
-                lease = self.lease
-                batch = self.meter.feed(data, self._loop.time(), lease.miner.delivering + (not lease.delivering))
+                lease, m = self.lease, self.lease.miner  # every process's delivering streams, this one counted once
+                sharing = m.delivering + m.elsewhere_delivering + (not lease.delivering)
+                batch = self.meter.feed(data, self._loop.time(), sharing)
             except MeterFailure as e:
                 raise self._fail(e.reason, detail=e.detail) from None
             if self.meter.content_started:

@@ -32,6 +32,11 @@ from gateway.protocol.openai import ChatRequest
 from gateway.protocol.signing import RequestSigner
 from gateway.protocol.tokens import PromptCounter
 from gateway.router import Router
+from gateway.shared.leases import SharedLeases
+from gateway.shared.limits import SharedLimits
+from gateway.shared.link import RedisLink
+from gateway.shared.measurements import MeasurementPublisher
+from gateway.shared.state import SharedState
 from gateway.upstream import Upstream, UpstreamLimits, UpstreamTimeouts
 from scoring.audit import AuditBands, StrikeBook, StrikePolicy
 from scoring.audit.sequential import SequentialTest
@@ -71,13 +76,18 @@ class ValidatorParts:
     prompts: PromptGenerator
     probes: ProbeRunner
     auditor: Auditor | None = None  # None: no reference configured, answers are paid unaudited
+    shared: SharedState | None = None  # --redis.url: several gateway processes share in-flight, limits, measurements
+    api_keys: list[str] | None = None  # the keys given as a list (the local subnet's), for the worker processes
 
-    async def aclose(self) -> None:
-        """Stop serving and drop miner connections (the chain and the store are the validator's)."""
+    async def aclose(self, *, keep_link: bool = False) -> None:
+        """Stop serving and drop miner connections (the chain and the store are the validator's); ``keep_link``:
+        leave the Redis link open (the validator closes it after saving the round in progress)."""
         await self.probes.aclose()
         await self.gateway.stop()
         await self.upstream.aclose()
         await self.client.close()
+        if self.shared is not None:
+            await self.shared.aclose(keep_link=keep_link)
         if self.auditor is not None:
             await self.auditor.reference.aclose()
 
@@ -107,13 +117,16 @@ def build_parts(
     router = router if router is not None else Router(rng=random.Random(seed_rng.random()))
     client = MinerClient()
     measurements = MeasurementQueue()
+    link = RedisLink(cfg.redis_url, shared_namespace(cfg.netuid, keypair.ss58_address)) if cfg.redis_url else None
+    publisher = MeasurementPublisher(link) if link is not None else None  # every process's measurements: one stream
     if reference is None and (cfg.audit_model != "none" or cfg.audit_url):
         reference = _reference(cfg)
     limits = UpstreamLimits(keep_answers=reference is not None,
                             audited_model=cfg.models[0] if reference is not None else None,  # the reference's
                             audit_tools=reference is not None and not isinstance(reference, ToyReference))
-    upstream = Upstream(client, RequestSigner(keypair), sink if sink is not None else measurements,
-                        timeouts=timeouts, limits=limits)
+    if sink is None:
+        sink = publisher if publisher is not None else measurements
+    upstream = Upstream(client, RequestSigner(keypair), sink, timeouts=timeouts, limits=limits)
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
     gateway_options.setdefault("keys_file", cfg.api_keys_file)
     gateway_options.setdefault("shutdown_timeout", cfg.drain_s)
@@ -122,9 +135,17 @@ def build_parts(
     gateway_options.setdefault("audits", reference is not None)
     gateway_options.setdefault("access_log", cfg.log_access)
     gateway_options.setdefault("queue_s", cfg.queue_s)
+    gateway_options.setdefault("reuse_port", cfg.gateway_workers > 1 or cfg.gateway_only)
     gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
                                         keys=api_keys, max_retries=cfg.max_retries, **gateway_options)
     gateway = Gateway(gw_cfg, router, upstream, counter=_prompt_counter(cfg, reference))
+    shared = None
+    if link is not None and publisher is not None:
+        shared = SharedState(link, SharedLeases(link, router, ttl_s=cfg.redis_lease_s), SharedLimits(
+            link, gateway.quota, share=cfg.redis_gateways or cfg.gateway_workers, ttl_s=cfg.redis_lease_s), publisher)
+        gateway.relay.leases = shared.leases
+        gateway.relay.full_wait_s = cfg.queue_s
+        gateway.key_limits = shared.limits
     scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
     shapes = ShapeSample(rng=random.Random(seed_rng.random()))
@@ -139,7 +160,7 @@ def build_parts(
     prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes,
                               replays=replays)
     probes = ProbeRunner(router, upstream.probe, prompts, tuple(cfg.models), random.Random(seed_rng.random()),
-                         capacity_check=cfg.capacity_check)
+                         capacity_check=cfg.capacity_check, hold=shared.leases.hold if shared is not None else None)
     auditor = None
     if reference is not None:  # sampled with the system RNG: a seeded run must not make audits predictable
         test = SequentialTest()
@@ -150,7 +171,12 @@ def build_parts(
                           rate=cfg.audit_rate,
                           max_queue=cfg.audit_queue)
     return ValidatorParts(cfg, keypair, router, client, measurements, upstream, gateway, scorer, prompts, probes,
-                          auditor)
+                          auditor, shared, api_keys)
+
+
+def shared_namespace(netuid: int, hotkey: str) -> str:
+    """Where one validator's shared state lives in Redis (validators may share a server, never their keys)."""
+    return f"tensorgate:{netuid}:{hotkey}"
 
 
 def _reference(cfg: ValidatorConfig) -> Reference:

@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(cfg.log_level, cfg.log_format)
     raise_open_files_limit()
     try:
+        if cfg.gateway_only:
+            from .gateway_only import run_gateway
+            from .worker import worker_keypair
+
+            return asyncio.run(_until_stopped(run_gateway(cfg, worker_keypair(cfg))))
         if cfg.local:
             from ..local_subnet import run_local_subnet
 

@@ -13,9 +13,10 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
@@ -55,6 +56,13 @@ class ValidatorConfig:
     queue_s: float = 10.0  # a request that finds every miner's slots busy waits this long at most (gateway.admission)
     offers_s: float = 60.0  # how often every miner's signed /health is read for the models and features it serves
     max_connections: int = 2048  # client connections at once (each is a file descriptor)
+    # Scale-out (gateway.shared): N gateway processes on one port, state shared through Redis. One process, no Redis
+    # by default.
+    gateway_workers: int = 1
+    gateway_only: bool = False  # serve only (no chain, scoring nor weights): one more gateway against --redis.url
+    redis_url: str | None = None
+    redis_gateways: int | None = None  # gateway processes sharing the Redis, all machines (None: gateway_workers)
+    redis_lease_s: float = 15.0  # a killed gateway process's in-flight leases and key streams free themselves in this
     # How limited API keys' prompts are counted: "auto" (the in-process reference's GGUF tokenizer, else the
     # estimate), "estimate" (4 characters a token), or a GGUF file whose tokenizer counts them.
     gateway_tokenizer: str = "auto"
@@ -142,6 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "serves (gateway.offers; also once at start)")
     gw.add_argument("--gateway.drain-seconds", dest="drain_s", type=float, default=d.drain_s,
                     help="on SIGTERM or Ctrl-C: stop accepting, give streams in progress this long to finish")
+    gw.add_argument("--gateway.workers", dest="gateway_workers", type=int, default=d.gateway_workers,
+                    help="gateway processes serving --gateway.port together (SO_REUSEPORT); above 1 needs "
+                         "--redis.url, where they share in-flight counts, key limits and measurements")
+    gw.add_argument("--gateway.only", dest="gateway_only", action="store_true",
+                    help="run only a gateway (no chain, no scoring, no weights) routing by what the validator "
+                         "publishes in --redis.url: more gateways on this machine or others")
+    gw.add_argument("--redis.url", dest="redis_url", default=d.redis_url,
+                    help="Redis shared by every gateway process of this validator (redis://host:6379/0)")
+    gw.add_argument("--redis.gateways", dest="redis_gateways", type=int, default=d.redis_gateways,
+                    help="gateway processes sharing --redis.url on all machines (default: --gateway.workers): "
+                         "while Redis is down each admits this share of every API key limit")
+    gw.add_argument("--redis.lease-seconds", dest="redis_lease_s", type=float, default=d.redis_lease_s,
+                    help="a gateway process renews its shared leases (miner slots, key streams) every third of "
+                         "this; one killed frees them within it")
     sc = p.add_argument_group("scoring and weights")
     sc.add_argument("--state-dir", dest="state_dir", type=Path, default=d.state_dir, help="where state lives")
     sc.add_argument("--round.seconds", dest="round_s", type=float, default=d.round_s, help="scoring round length")
@@ -253,6 +275,11 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
                          "on purpose")
     if values["audit_off"] and (values["audit_model"] != "none" or values["audit_url"]):
         parser.error("--audit.off and a reference (--audit.model / --audit.url) contradict each other: pass one")
+    if values["gateway_workers"] < 1:
+        parser.error("--gateway.workers must be at least 1")
+    if (values["gateway_workers"] > 1 or values["gateway_only"]) and not values["redis_url"]:
+        parser.error("--gateway.workers above 1 and --gateway.only need --redis.url: the processes share each "
+                     "miner's in-flight count, the API key limits and the measurements there")
     if values["netuid"] is None:
         values["netuid"] = ValidatorConfig.netuid
     if not values.get("models"):
@@ -273,3 +300,18 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     if cfg.local and cfg.state_dir == ValidatorConfig().state_dir:
         cfg.state_dir = Path("~/.tensorgate/local").expanduser()
     return cfg
+
+
+def config_to_json(cfg: ValidatorConfig) -> str:
+    """``cfg`` as JSON, for the gateway worker processes the validator starts (:func:`config_from_json`)."""
+    return json.dumps({f.name: str(v) if isinstance(v := getattr(cfg, f.name), Path) else v for f in fields(cfg)})
+
+
+def config_from_json(raw: str) -> ValidatorConfig:
+    """The config :func:`config_to_json` wrote."""
+    values = json.loads(raw)
+    for name in ("state_dir", "audit_bands"):
+        if values.get(name) is not None:
+            values[name] = Path(values[name])
+    known = {f.name for f in fields(ValidatorConfig)}
+    return ValidatorConfig(**{k: v for k, v in values.items() if k in known})

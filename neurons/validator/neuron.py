@@ -36,7 +36,10 @@ from loguru import logger
 from gateway.offers import refresh_offers
 from gateway.quota import utc_day
 from gateway.router import Candidate
+from gateway.shared.measurements import MeasurementReader
+from gateway.shared.routing import publish, view
 from scoring.audit import StrikeBook
+from scoring.measurement import Measurement
 from scoring.store import CorruptStateError, ScoreStore
 from scoring.weights import why_empty
 
@@ -47,12 +50,14 @@ from .config import ValidatorConfig
 from .corpus import stdlib_passages
 from .metrics import validator_families
 from .readiness import not_ready
+from .workers import WorkerPool
 
 if TYPE_CHECKING:
     from .build import ValidatorParts
 
 RECENT = 64  # closed rounds and weight submissions kept in memory (for the live table and tests)
 DRAIN_EVERY_S = 0.25  # how often measurements move from the queue into the scorer
+ROUTING_EVERY_S = 1.0  # how often the router's view is compared with the one published to the other gateways
 _T = TypeVar("_T")
 
 
@@ -105,6 +110,14 @@ class Validator:
         self._store_thread: ThreadPoolExecutor | None = None
         self._synced_at: float | None = None  # when the metagraph was last read (monotonic)
         self._max_metagraph_age_s = 600.0  # set from the chain's block time at start
+        # Gateways sharing Redis (--redis.url): every process's measurements come from the shared stream, and each
+        # is acknowledged once the round holding it is saved. None: this process's queue alone.
+        shared = parts.shared
+        self.reader = MeasurementReader(shared.link) if shared is not None else None
+        self._unacked: list[str] = []  # stream entries recorded into the round in progress
+        self._saved_unacked: list[str] = []  # entries of saved rounds whose acknowledgement failed: sent again
+        self._published_routing: str | None = None
+        self.workers: WorkerPool | None = None  # --gateway.workers above 1: the other gateway processes
 
     # -- state I/O, off the event loop ------------------------------------------------------------
 
@@ -144,6 +157,30 @@ class Validator:
             if book.quarantined():
                 logger.info("{} miners still quarantined from earlier audits", len(book.quarantined()))
 
+    def _score(self, m: Measurement) -> None:
+        self.scorer.record(m)
+        if m.ref is not None:
+            self._unacked.append(m.ref)
+
+    async def _acknowledge(self, refs: list[str], saved: bool) -> None:
+        """The round holding ``refs`` is saved (or not): acknowledge them, with earlier ones still owed."""
+        if self.reader is None:
+            return
+        if not saved:
+            self._saved_unacked.extend(refs)  # the next round's save writes the state holding them
+            return
+        owed, self._saved_unacked = [*self._saved_unacked, *refs], []
+        if not await self.reader.ack(owed):
+            self._saved_unacked = owed
+
+    async def publish_routing(self) -> None:
+        """The router's view for the other gateway processes (gateway.shared.routing), when it changed."""
+        if self.parts.shared is None:
+            return
+        routing = view(self.router)
+        if routing != self._published_routing and await publish(self.parts.shared.link, routing):
+            self._published_routing = routing
+
     def quarantined(self) -> set[str]:
         """Hotkeys out of routing and paid 0 because their answers failed audits."""
         return self.auditor.book.quarantined() if self.auditor is not None else set()
@@ -165,7 +202,11 @@ class Validator:
                         self.cfg.state_dir)
         self.gateway.readiness = self.readiness
         self.gateway.metrics.add(lambda: validator_families(self))
+        await self.publish_routing()
         await self.gateway.start()
+        if self.cfg.gateway_workers > 1:
+            self.workers = WorkerPool(self.cfg, self.gateway.port, api_keys=self.parts.api_keys)
+            await self.workers.start()
         self._corpus_task = asyncio.create_task(self._load_corpus(), name="probe-corpus")
         params = await self.chain.params()
         block_s = max(0.05, params.block_time)
@@ -184,6 +225,13 @@ class Validator:
         ]
         if self.auditor is not None:
             self._tasks.append(supervise("audits", self.auditor.run, restarts=self.restarts))
+        if self.parts.shared is not None:
+            self._tasks += [supervise(name, loop, restarts=self.restarts)
+                            for name, loop in self.parts.shared.loops().items()]
+            self._tasks.append(supervise("routing-publish", lambda: every(ROUTING_EVERY_S, self.publish_routing),
+                                         restarts=self.restarts))
+        if self.workers is not None:
+            self._tasks.append(supervise("gateway-workers", self.workers.watch, restarts=self.restarts))
         logger.info("validator {} (uid {}) on netuid {} via {}; gateway on http://{}:{}", self.hotkey,
                     self.my_uid, self.chain.netuid, self.cfg.network, self.cfg.gateway_host, self.gateway.port)
 
@@ -196,8 +244,13 @@ class Validator:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await self.parts.aclose()  # streams in progress end within the drain time and are measured
+        if self.workers is not None:
+            await self.workers.stop()  # each drains its streams like this one, and sends its measurements
+            self.workers = None
+        await self.parts.aclose(keep_link=True)  # streams in progress end within the drain time and are measured
         await self._save_partial_round()
+        if self.parts.shared is not None:
+            await self.parts.shared.link.aclose()
         if self.store is not None:
             await self._io(self.store.close)
             self.store = None
@@ -214,10 +267,13 @@ class Validator:
         if self.store is None:
             return
         for m in self.parts.measurements.drain():
-            self.scorer.record(m)
+            self._score(m)
+        if self.reader is not None:  # this process's last ones were sent as its gateway stopped
+            for m in await self.reader.pull():
+                self._score(m)
         if self.auditor is not None:
             for m in [*self.auditor.ready(), *self.auditor.abandon()]:
-                self.scorer.record(m)
+                self._score(m)
         if not self.scorer.pending:
             return
         entry = await self.close_round()
@@ -267,12 +323,15 @@ class Validator:
     async def _drain(self) -> None:
         """Measurements into the scorer; those the audit samples wait for their verdict first."""
         auditor = self.auditor
-        for m in self.parts.measurements.drain():
+        incoming = self.parts.measurements.drain()
+        if self.reader is not None:
+            incoming += await self.reader.pull()
+        for m in incoming:
             if auditor is None or not auditor.take(m):
-                self.scorer.record(m)
+                self._score(m)
         if auditor is not None:
             for m in auditor.ready():
-                self.scorer.record(m)
+                self._score(m)
             if auditor.quarantine_changed:
                 auditor.quarantine_changed = False
                 self.router.set_quarantined(self.quarantined())
@@ -286,6 +345,7 @@ class Validator:
         """Score the round, republish routing, persist it (on the store thread), log the table."""
         await self._drain()
         quarantined = self.quarantined()
+        refs, self._unacked = self._unacked, []  # what this round holds: acknowledged once it is saved
         report = self.scorer.close_round(time.time(), quarantined=quarantined)
         if self.auditor is not None:
             self.auditor.new_round()
@@ -303,11 +363,15 @@ class Validator:
         entry = RoundLog(index=self.rounds_closed, table=table, weights=weights)
         self.recent_rounds.append(entry)
         logger.info("round {} closed\n{}", entry.index, table)
+        saved = True
         if self.store is not None and report.saved is not None:
             try:
                 await self._io(self.store.save_round, *report.saved)
             except Exception as e:  # keep scoring in memory; the next round saves its own
+                saved = False
                 logger.error("scoring state: could not save round {} to {}: {}", report.index, self.store.path, e)
+        await self._acknowledge(refs, saved)
+        await self.publish_routing()
         await self._save_audits()
         await self._save_key_usage()
         return entry

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from loguru import logger
@@ -58,9 +58,14 @@ class ProbeRunner:
     """Runs one round's probe plan; each probe holds a router lease so organic routing sees it."""
 
     def __init__(self, router: Router, probe: ProbeFn, prompts: PromptGenerator, models: str | tuple[str, ...],
-                 rng: random.Random | None = None, *, capacity_check: bool = True) -> None:
+                 rng: random.Random | None = None, *, capacity_check: bool = True,
+                 hold: Callable[[Lease], Awaitable[bool]] | None = None) -> None:
         self._router = router
         self._probe = probe
+        # Gateways sharing Redis: a probe takes its place among the miner's declared slots subnet-wide like any
+        # request (gateway.shared.leases), and is skipped when the other processes' requests fill them: a forced
+        # probe would push the miner past its slots and get an honest card's 429 booked as a refusal.
+        self._hold = hold
         self._prompts = prompts
         self._models = (models,) if isinstance(models, str) else tuple(models)  # the first: the subnet's
         self._rng = rng if rng is not None else random.Random()
@@ -100,7 +105,8 @@ class ProbeRunner:
         """Fill every miner's free declared slots but one with probes, all started now; returns how many."""
         sent = 0
         for m in self._router.miners():
-            for _ in range(max(1 if m.in_flight == 0 else 0, m.slots - m.in_flight - 1)):
+            busy = m.in_flight + m.elsewhere  # every gateway process's streams
+            for _ in range(max(1 if busy == 0 else 0, m.slots - busy - 1)):
                 payload = self._check_payload(self._model_for(m))  # before the lease: nothing can leak it
                 lease = self._router.acquire_uid(m.uid)
                 if lease is None:
@@ -145,6 +151,9 @@ class ProbeRunner:
 
     async def _with_lease(self, lease: Lease, payload: dict[str, Any], *, capacity_check: bool = False) -> None:
         try:
+            if self._hold is not None and not await self._hold(lease):
+                self.skipped += 1  # its slots are full of other processes' requests: measured by those
+                return
             self.sent += 1
             await self._probe(lease, payload, capacity_check=capacity_check)
         except asyncio.CancelledError:

@@ -1,0 +1,256 @@
+"""Per-API-key limits across every gateway process: one atomic Redis script an admission.
+
+The same limits as :class:`gateway.quota.QuotaBook` (requests and tokens per minute, tokens per UTC day,
+concurrent streams), charged the same way: the most a request can use is reserved when it is admitted and settled
+to what it used when it ends. Here the windows live in Redis, so a key's limit holds for the sum of every process's
+requests: the admission script reads the key's windows, refuses with the limit it would break and when to come
+back, or charges it, all in one step no other process can interleave with.
+
+* the minute windows are per-second buckets (a hash, second -> count), summed over the last 60 s: a refusal's
+  ``Retry-After`` is exact to the second;
+* the day is one hash (``requests``, ``tokens``) per UTC day, kept two days;
+* concurrent streams are members scored by when they expire, renewed while the request runs, so a process killed
+  with ``kill -9`` frees its key's streams within ``ttl_s``.
+
+Keys without limits never touch Redis. Redis down: a request is admitted by this process's own book against
+``1/share`` of each limit (``share``: the gateway processes sharing the key, ``--redis.gateways``), so the key's
+total stays near its limit while Redis is away; the outage is logged once (:mod:`.link`).
+
+Example::
+
+    limits = SharedLimits(link, QuotaBook(), share=2)
+    got = await limits.admit(policy, reserve=1_200)   # SharedTicket, or a local Ticket (Redis down), or Refusal
+    ...
+    limits.settle(got, used=830)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import math
+import secrets
+import time
+from dataclasses import dataclass
+
+from loguru import logger
+
+from ..quota import DAY_S, KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
+from .link import RedisError, RedisLink
+
+# KEYS: streams zset, rpm hash, tpm hash, day hash. ARGV: streams, rpm, tpm, tpd (-1: none), reserve, ticket, ttl ms.
+# Returns {0, second} when admitted; {code, figure, wait s} when not (1 streams, 2 rpm, 3 tpm, 4 tpd, 5 too big).
+_ADMIT = """
+local t = redis.call('TIME')
+local sec = tonumber(t[1])
+local now = sec * 1000 + math.floor(tonumber(t[2]) / 1000)
+local streams, rpm, tpm, tpd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local reserve, ttl = tonumber(ARGV[5]), tonumber(ARGV[7])
+local function window(key)
+  local all = redis.call('HGETALL', key)
+  local sum, entries = 0, {}
+  for i = 1, #all, 2 do
+    local s, v = tonumber(all[i]), tonumber(all[i + 1])
+    if s <= sec - 60 then redis.call('HDEL', key, all[i]) else sum = sum + v; entries[#entries + 1] = {s, v} end
+  end
+  table.sort(entries, function(a, b) return a[1] < b[1] end)
+  return sum, entries
+end
+if streams >= 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  local n = redis.call('ZCARD', KEYS[1])
+  if n >= streams then return {1, n, 1} end
+end
+local rsum, rent = window(KEYS[2])
+if rpm >= 0 and rsum >= rpm then return {2, rsum, rent[1][1] + 60 - sec} end
+local tsum, tent = window(KEYS[3])
+if tpm >= 0 then
+  if reserve > tpm then return {5, reserve, 60} end
+  if tsum + reserve > tpm then
+    local left, wait = tsum, 60
+    for _, e in ipairs(tent) do
+      left = left - e[2]
+      if left + reserve <= tpm then wait = e[1] + 60 - sec; break end
+    end
+    return {3, tsum, wait}
+  end
+end
+local used = tonumber(redis.call('HGET', KEYS[4], 'tokens') or '0')
+if tpd >= 0 and used + reserve > tpd then return {4, used, 0} end
+if streams >= 0 then
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[6])
+  redis.call('PEXPIRE', KEYS[1], 2 * ttl)
+end
+redis.call('HINCRBY', KEYS[2], sec, 1)
+redis.call('EXPIRE', KEYS[2], 120)
+redis.call('HINCRBY', KEYS[3], sec, reserve)
+redis.call('EXPIRE', KEYS[3], 120)
+redis.call('HINCRBY', KEYS[4], 'requests', 1)
+redis.call('HINCRBY', KEYS[4], 'tokens', reserve)
+redis.call('EXPIRE', KEYS[4], 172800)
+return {0, sec, 0}
+"""
+
+# KEYS: streams zset, tpm hash, day hash. ARGV: ticket, admitted second, delta tokens.
+_SETTLE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+local delta = tonumber(ARGV[3])
+if delta ~= 0 then
+  if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then redis.call('HINCRBY', KEYS[2], ARGV[2], delta) end
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    if redis.call('HINCRBY', KEYS[3], 'tokens', delta) < 0 then redis.call('HSET', KEYS[3], 'tokens', 0) end
+  end
+end
+return 1
+"""
+
+# KEYS: streams zsets; ARGV: ttl ms, then one member per key, renewed while still there.
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for i, k in ipairs(KEYS) do
+  redis.call('ZADD', k, 'XX', now + tonumber(ARGV[1]), ARGV[i + 1])
+  redis.call('PEXPIRE', k, 2 * tonumber(ARGV[1]))
+end
+return #KEYS
+"""
+
+_LIMITS = {1: "concurrent streams", 2: "requests per minute", 3: "tokens per minute", 4: "tokens per day",
+           5: "tokens per minute"}
+
+
+@dataclass(slots=True, eq=False)
+class SharedTicket:
+    """One admitted request's hold on its key's shared limits; settle it exactly once."""
+
+    key: str
+    reserved: int
+    second: int  # Redis's second it was admitted in (its bucket in the minute window)
+    day: str
+    token: str
+    streams: bool  # holds one of the key's concurrent streams
+    settled: bool = False
+
+
+class SharedLimits:
+    """Admission against the key's limits summed over every process; ``local`` is this process's own book."""
+
+    def __init__(self, link: RedisLink, local: QuotaBook, *, share: int = 1, ttl_s: float = 120.0) -> None:
+        self.link = link
+        self.local = local
+        self.share = max(1, int(share))
+        self.ttl_ms = max(1000, int(ttl_s * 1000))
+        self._admit = link.redis.register_script(_ADMIT)
+        self._settle = link.redis.register_script(_SETTLE)
+        self._renew = link.redis.register_script(_RENEW)
+        self._name = secrets.token_hex(4)
+        self._ids = itertools.count()
+        self._live: dict[str, SharedTicket] = {}  # tickets holding a stream, renewed while they run
+        self._settles: list[tuple[SharedTicket, int]] = []  # (ticket, tokens used less reserved), to send
+        self._wake = asyncio.Event()
+        self.fallbacks = 0  # admissions by the local share while Redis was down
+
+    def _keys(self, name: str, day: str) -> list[str]:
+        k = self.link.key
+        return [k("key", name, "streams"), k("key", name, "rpm"), k("key", name, "tpm"), k("key", name, "day", day)]
+
+    def local_share(self, policy: KeyPolicy) -> KeyPolicy:
+        """Each limit divided among the processes (at least 1): what one process admits while Redis is away."""
+        def cut(x: int | None) -> int | None:
+            return None if x is None else max(1, x // self.share)
+        return dataclasses.replace(policy, rpm=cut(policy.rpm), tpm=cut(policy.tpm), tpd=cut(policy.tpd),
+                                   streams=cut(policy.streams))
+
+    async def admit(self, policy: KeyPolicy, reserve: int, now: float | None = None) -> SharedTicket | Ticket | Refusal:
+        now = time.time() if now is None else now
+        if not policy.limited or not self.link.usable():
+            if policy.limited:
+                self.fallbacks += 1
+            return self.local.admit(self.local_share(policy) if policy.limited else policy, reserve, now)
+        reserve = max(0, int(reserve))
+        day = utc_day(now)
+        token = f"{self._name}:{next(self._ids)}"
+        args = [-1 if x is None else x for x in (policy.streams, policy.rpm, policy.tpm, policy.tpd)]
+        try:
+            code, figure, wait = (int(x) for x in await self._admit(
+                keys=self._keys(policy.name, day), args=[*args, reserve, token, self.ttl_ms]))
+        except (RedisError, OSError) as e:
+            self.link.failed(e)
+            self.fallbacks += 1
+            return self.local.admit(self.local_share(policy), reserve, now)
+        self.link.worked()
+        if code == 0:
+            ticket = SharedTicket(policy.name, reserve, figure, day, token, streams=policy.streams is not None)
+            if ticket.streams:
+                self._live[token] = ticket
+            return ticket
+        return _refusal(code, figure, wait, policy, reserve, now)
+
+    def settle(self, ticket: SharedTicket | Ticket, used: int, now: float | None = None) -> None:
+        """The request ended having used ``used`` tokens (idempotent; sent in the background)."""
+        if isinstance(ticket, Ticket):
+            self.local.settle(ticket, used, time.time() if now is None else now)
+            return
+        if ticket.settled:
+            return
+        ticket.settled = True
+        self._live.pop(ticket.token, None)
+        self._settles.append((ticket, max(0, int(used)) - ticket.reserved))
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Send settlements as they come and renew live streams every third of ``ttl_s``, until cancelled."""
+        loop = asyncio.get_running_loop()
+        renew_at = loop.time() + self.ttl_ms / 3000
+        while True:
+            try:
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            if not self.link.usable():
+                continue  # kept: sent when Redis is back (a stream's hold expires by itself meanwhile)
+            try:
+                await self.flush()
+                if loop.time() >= renew_at and self._live:
+                    live = list(self._live.values())
+                    await self._renew(keys=[self._keys(t.key, t.day)[0] for t in live],
+                                      args=[self.ttl_ms, *(t.token for t in live)])
+                    renew_at = loop.time() + self.ttl_ms / 3000
+            except (RedisError, OSError) as e:
+                self.link.failed(e)
+            except Exception:
+                logger.opt(exception=True).error("shared key limits: unexpected error")
+
+    async def flush(self) -> None:
+        settles, self._settles = self._settles, []
+        if not settles:
+            return
+        try:
+            pipe = self.link.redis.pipeline(transaction=False)
+            for t, delta in settles:
+                keys = self._keys(t.key, t.day)
+                await self._settle(keys=[keys[0], keys[2], keys[3]], args=[t.token, t.second, delta], client=pipe)
+            await pipe.execute()
+        except BaseException:
+            self._settles[:0] = settles
+            raise
+        self.link.worked()
+
+
+def _refusal(code: int, figure: int, wait: int, policy: KeyPolicy, reserve: int, now: float) -> Refusal:
+    limit = _LIMITS.get(code, "requests per minute")
+    if code == 1:
+        detail = f"{figure} of {policy.streams} streams in flight"
+    elif code == 2:
+        detail = f"{figure} of {policy.rpm} in the last minute"
+    elif code == 5:
+        detail = f"this request may use {reserve} tokens, more than the {policy.tpm} a minute allows"
+    elif code == 3:
+        detail = f"{figure} of {policy.tpm} used in the last minute, this request may use {reserve}"
+    else:
+        detail = f"{figure} of {policy.tpd} used today (UTC), this request may use {reserve}"
+        wait = math.ceil((math.floor(now / DAY_S) + 1) * DAY_S - now)
+    return Refusal(limit, float(max(1, wait)), detail)

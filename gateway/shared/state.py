@@ -1,0 +1,47 @@
+"""One process's handle on the shared state: the link, its leases, key limits and measurement publisher.
+
+Built by the validator's wiring (:func:`neurons.validator.build.build_parts`) when ``--redis.url`` is set; its
+``loops`` are run supervised by whoever runs the process (the validator, or a gateway-only process), and
+``aclose`` sends what measurements the buffer still holds before the link closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from loguru import logger
+
+from .leases import SharedLeases
+from .limits import SharedLimits
+from .link import RedisLink
+from .measurements import MeasurementPublisher
+
+
+@dataclass
+class SharedState:
+    link: RedisLink
+    leases: SharedLeases
+    limits: SharedLimits
+    publisher: MeasurementPublisher
+
+    def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        """The background loops, by name, for the process's supervisor."""
+        return {"shared-leases": self.leases.run, "shared-limits": self.limits.run,
+                "shared-measurements": self.publisher.run}
+
+    async def aclose(self, within_s: float = 5.0, *, keep_link: bool = False) -> None:
+        """Send what is still buffered and settled (for at most ``within_s``), then close the link (unless
+        ``keep_link``: the validator still reads the stream for the round it saves at stop)."""
+        try:
+            async with asyncio.timeout(within_s):
+                await self.limits.flush()
+                await self.leases.flush()
+                await self.publisher.send()
+        except Exception as e:  # Redis away at stop: leases and stream holds expire by themselves
+            if len(self.publisher):
+                logger.error("stopping with {} measurements not sent to Redis ({!r}): they are lost",
+                             len(self.publisher), e)
+        if not keep_link:
+            await self.link.aclose()

@@ -1,0 +1,329 @@
+"""State shared by gateway processes through a real Redis (gateway.shared): leases, key limits, measurements, routing.
+
+Two "processes" here are two independent sets of objects, each with its own Redis connection, in one event loop:
+what one holds in Redis the other sees only through Redis. Real processes and kill -9 are in test_scale_out.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from gateway.protocol.sampling import SamplingParams
+from gateway.quota import KeyPolicy, QuotaBook, Refusal, Ticket
+from gateway.router import Candidate, Router
+from gateway.shared.leases import SharedLeases
+from gateway.shared.limits import SharedLimits, SharedTicket
+from gateway.shared.link import RedisLink
+from gateway.shared.measurements import MeasurementPublisher, MeasurementReader
+from gateway.shared.routing import RoutingFollower, publish, view
+from scoring.measurement import Answer, FailureReason, Measurement
+from tests.redis_server import RedisServer, free_port
+
+NS = "tensorgate:test"
+MINERS = [Candidate(uid=1, hotkey="hk-a", endpoint="127.0.0.1:1", slots=2),
+          Candidate(uid=2, hotkey="hk-b", endpoint="127.0.0.1:2", slots=2)]
+
+
+def _router(seed: int = 0) -> Router:
+    r = Router(rng=random.Random(seed))
+    r.sync(MINERS)
+    return r
+
+
+async def _links(url: str, n: int = 2) -> list[RedisLink]:
+    return [RedisLink(url, NS) for _ in range(n)]
+
+
+async def test_a_miners_declared_slots_hold_across_processes(redis_url: str) -> None:
+    a_link, b_link = await _links(redis_url)
+    a, b = _router(1), _router(2)
+    la, lb = SharedLeases(a_link, a, name="a"), SharedLeases(b_link, b, name="b")
+    try:
+        held = []
+        for router, leases in ((a, la), (b, lb)):  # one each on uid 1: its two slots
+            lease = router.acquire_uid(1)
+            assert lease is not None and await leases.hold(lease)
+            held.append((router, lease))
+        assert held[1][1].in_flight_at_dispatch == 1  # the other process's stream counts at dispatch
+        third = a.acquire_uid(1)
+        assert third is not None and not await la.hold(third)  # full subnet-wide
+        a.release(third)
+        assert a.get(1).elsewhere == 1  # type: ignore[union-attr]  # the refusal told A what B holds
+        # what A's router picks now: uid 2 only (uid 1 is full subnet-wide)
+        assert {a.pick().uid for _ in range(20)} == {2}  # type: ignore[union-attr]
+        router, lease = held[1]
+        router.release(lease, served=True)  # B's release is mirrored in the background
+        await lb.flush()
+        await la.refresh()
+        assert a.get(1).elsewhere == 0  # type: ignore[union-attr]
+        again = a.acquire_uid(1)
+        assert again is not None and await la.hold(again)
+    finally:
+        for link in (a_link, b_link):
+            await link.aclose()
+
+
+async def test_a_dead_processs_leases_expire_and_a_live_ones_are_renewed(redis_url: str) -> None:
+    a_link, b_link = await _links(redis_url)
+    a, b = _router(), _router()
+    dead = SharedLeases(a_link, a, name="dead", ttl_s=1.0)
+    live = SharedLeases(b_link, b, name="live", ttl_s=1.0, refresh_s=0.05)
+    runner = asyncio.create_task(live.run())  # renews every third of the ttl; `dead` never runs: killed
+    try:
+        for router, leases in ((a, dead), (b, live)):
+            lease = router.acquire_uid(1)
+            assert lease is not None and await leases.hold(lease)
+        probe = a.acquire_uid(1)
+        assert probe is not None and not await dead.hold(probe)
+        a.release(probe)
+        await asyncio.sleep(1.6)  # past the ttl: the dead one's lease is gone, the live one's renewed
+        again = a.acquire_uid(1)
+        assert again is not None and await dead.hold(again)
+        assert again.in_flight_at_dispatch == 1  # the live process's lease is still there
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        for link in (a_link, b_link):
+            await link.aclose()
+
+
+async def test_decode_concurrency_counts_every_process_delivering_streams(redis_url: str) -> None:
+    a_link, b_link = await _links(redis_url)
+    a, b = _router(), _router()
+    la, lb = SharedLeases(a_link, a, name="a"), SharedLeases(b_link, b, name="b")
+    try:
+        lease = b.acquire_uid(1)
+        assert lease is not None and await lb.hold(lease)
+        lease.start_delivering()
+        await lb.flush()
+        await la.refresh()
+        m = a.get(1)
+        assert m is not None and (m.elsewhere, m.elsewhere_delivering) == (1, 1)
+        b.release(lease)
+        await lb.flush()
+        await la.refresh()
+        assert (m.elsewhere, m.elsewhere_delivering) == (0, 0)
+    finally:
+        for link in (a_link, b_link):
+            await link.aclose()
+
+
+async def test_redis_down_routes_on_local_counts_and_says_so_once(caplog: Any) -> None:
+    link = RedisLink(f"redis://127.0.0.1:{free_port()}/0", NS, timeout_s=0.2, retry_s=30.0)
+    r = _router()
+    leases = SharedLeases(link, r)
+    try:
+        for _ in range(5):
+            lease = r.acquire_uid(1)
+            assert lease is not None and await leases.hold(lease)  # local counts decide, as with one process
+            assert lease.token is None
+        assert link.outages == 1 and link.failures == 1  # one failed call, then no I/O until retry_s
+    finally:
+        await link.aclose()
+
+
+async def test_key_limits_hold_across_processes(redis_url: str) -> None:
+    a_link, b_link = await _links(redis_url)
+    a, b = SharedLimits(a_link, QuotaBook(), share=2), SharedLimits(b_link, QuotaBook(), share=2)
+    policy = KeyPolicy("alice", rpm=6)
+    try:
+        got = [await (a if i % 2 else b).admit(policy, 10) for i in range(8)]
+        admitted = [g for g in got if isinstance(g, SharedTicket)]
+        refused = [g for g in got if isinstance(g, Refusal)]
+        assert len(admitted) == 6 and len(refused) == 2
+        assert refused[0].limit == "requests per minute" and 1 <= refused[0].retry_after_s <= 60
+        streams = KeyPolicy("bob", streams=2)
+        t1, t2 = await a.admit(streams, 1), await b.admit(streams, 1)
+        assert isinstance(t1, SharedTicket) and isinstance(t2, SharedTicket)
+        third = await a.admit(streams, 1)
+        assert isinstance(third, Refusal) and third.limit == "concurrent streams"
+        b.settle(t2, 1)
+        await b.flush()
+        assert isinstance(await a.admit(streams, 1), SharedTicket)
+    finally:
+        for link in (a_link, b_link):
+            await link.aclose()
+
+
+async def test_token_limits_charge_the_reservation_then_what_was_used(redis_url: str) -> None:
+    a_link, b_link = await _links(redis_url)
+    a, b = SharedLimits(a_link, QuotaBook()), SharedLimits(b_link, QuotaBook())
+    policy = KeyPolicy("carol", tpm=1000, tpd=1500)
+    try:
+        t = await a.admit(policy, 800)
+        assert isinstance(t, SharedTicket)
+        over = await b.admit(policy, 300)  # 800 reserved elsewhere: 1,100 > 1,000 a minute
+        assert isinstance(over, Refusal) and over.limit == "tokens per minute"
+        a.settle(t, 100)  # it used 100: 700 back in the minute and the day
+        await a.flush()
+        t2 = await b.admit(policy, 300)
+        assert isinstance(t2, SharedTicket)
+        b.settle(t2, 300)
+        await b.flush()
+        fill = await a.admit(policy, 600)  # 400 + 600: the minute exactly full
+        assert isinstance(fill, SharedTicket)
+        one_more = await b.admit(policy, 1)
+        assert isinstance(one_more, Refusal) and one_more.limit == "tokens per minute"
+        daily = KeyPolicy("frank", tpd=1000)
+        first = await a.admit(daily, 700)
+        assert isinstance(first, SharedTicket)
+        refused = await b.admit(daily, 400)
+        assert isinstance(refused, Refusal) and refused.limit == "tokens per day" and refused.retry_after_s >= 1
+        a.settle(first, 200)  # used 200 of its 700: the day has 800 left
+        await a.flush()
+        assert isinstance(await b.admit(daily, 400), SharedTicket)
+        too_big = await b.admit(policy, 1001)
+        assert isinstance(too_big, Refusal) and "more than the 1000 a minute allows" in too_big.detail
+    finally:
+        for link in (a_link, b_link):
+            await link.aclose()
+
+
+async def test_redis_down_admits_a_local_share_of_each_limit() -> None:
+    link = RedisLink(f"redis://127.0.0.1:{free_port()}/0", NS, timeout_s=0.2, retry_s=30.0)
+    limits = SharedLimits(link, QuotaBook(), share=4)
+    try:
+        got = [await limits.admit(KeyPolicy("dave", rpm=20), 1) for _ in range(7)]
+        assert sum(isinstance(g, Ticket) for g in got) == 5  # 20 / 4 processes
+        assert isinstance(got[-1], Refusal)
+        unlimited = await limits.admit(KeyPolicy("erin"), 1)
+        assert isinstance(unlimited, Ticket)  # keys without limits never need Redis
+        assert link.outages == 1
+    finally:
+        await link.aclose()
+
+
+def _measurement(i: int, *, answer: bool = False) -> Measurement:
+    kept = Answer(messages=[{"role": "user", "content": f"q{i}"}], sampling=SamplingParams(0.7, 0.9, False, 42),
+                  max_tokens=8, stop=(), text=f"a{i}", token_ids=(1, 2), finish_reason="stop") if answer else None
+    return Measurement(uid=i % 3, hotkey=f"hk{i}", in_flight=0, prompt_tokens=5, max_tokens=8, ttft_s=0.1,
+                       latency_s=0.3, completion_tokens=2, ok=i % 4 != 0,
+                       failure=None if i % 4 else FailureReason.DROPPED, concurrency=1.0, answer=kept)
+
+
+async def test_measurements_reach_the_scorer_whole_and_unacknowledged_ones_come_back(redis_url: str) -> None:
+    pub_link, scorer_link, again_link = await _links(redis_url, 3)
+    pub = MeasurementPublisher(pub_link)
+    sent = [_measurement(i, answer=i % 2 == 0) for i in range(30)]
+    try:
+        for m in sent:
+            pub.record(m)
+        assert await pub.send() == 30
+        first = MeasurementReader(scorer_link)
+        got = await first.pull()
+        assert got == sent and [m.answer for m in got] == [m.answer for m in sent]  # answers travel for the audit
+        assert all(m.ref for m in got)
+        assert await first.ack([m.ref for m in got[:10] if m.ref])  # the round holding these was saved
+        # the scorer dies before saving the rest; its successor reads exactly those again, then new ones
+        late = _measurement(99)
+        pub.record(late)
+        await pub.send()
+        second = MeasurementReader(again_link)
+        assert await second.pull() == [*sent[10:], late]
+        assert await second.pull() == []
+    finally:
+        for link in (pub_link, scorer_link, again_link):
+            await link.aclose()
+
+
+async def test_redis_down_measurements_wait_in_a_bounded_buffer_and_go_when_it_is_back() -> None:
+    server = RedisServer().start()
+    link = RedisLink(server.url, NS, timeout_s=0.3, retry_s=0.2)
+    reader_link = RedisLink(server.url, NS)
+    pub = MeasurementPublisher(link, max_buffer=50)
+    try:
+        server.kill()
+        for i in range(60):
+            pub.record(_measurement(i))
+        assert await pub.send() == 0 and len(pub) == 50 and pub.dropped == 10  # bounded, the loss counted
+        server.start()
+        await asyncio.sleep(0.25)  # retry_s
+        assert await pub.send() == 50 and len(pub) == 0
+        got = await MeasurementReader(reader_link).pull()
+        assert [m.hotkey for m in got] == [f"hk{i}" for i in range(10, 60)]
+        assert link.outages == 1  # logged once down, once back
+    finally:
+        await link.aclose()
+        await reader_link.aclose()
+        server.kill()
+
+
+async def test_garbage_on_the_stream_is_skipped_not_fatal(redis_url: str) -> None:
+    link, = await _links(redis_url, 1)
+    try:
+        pub = MeasurementPublisher(link)
+        pub.record(_measurement(1))
+        await pub.send()
+        await link.redis.xadd(pub.key, {b"m": b"\x00not msgpack"})
+        await link.redis.xadd(pub.key, {b"other": b"x"})
+        pub.record(_measurement(2))
+        await pub.send()
+        reader = MeasurementReader(link)
+        got = await reader.pull()
+        assert [m.hotkey for m in got] == ["hk1", "hk2"] and reader.unreadable == 2
+    finally:
+        await link.aclose()
+
+
+async def test_gateways_route_by_the_view_the_scorer_publishes(redis_url: str) -> None:
+    pub_link, sub_link = await _links(redis_url)
+    scorer, gateway = _router(), Router(rng=random.Random(3))
+    try:
+        scorer.set_scores({"hk-a": 0.9, "hk-b": 0.0})
+        scorer.set_quarantined({"hk-b"})
+        a = scorer.get(1)
+        assert a is not None
+        scorer.learn_offer(a, frozenset({"org/m"}), frozenset({"tools"}))
+        assert await publish(pub_link, view(scorer))
+        follower = RoutingFollower(sub_link, gateway)
+        assert await follower.follow_once() and not await follower.follow_once()  # applied once, then unchanged
+        ga, gb = gateway.get(1), gateway.get(2)
+        assert ga is not None and gb is not None
+        assert (ga.score, ga.models, ga.features, gb.quarantined) == (0.9, frozenset({"org/m"}),
+                                                                      frozenset({"tools"}), True)
+        assert gateway.routable() == 1
+    finally:
+        for link in (pub_link, sub_link):
+            await link.aclose()
+
+
+@pytest.mark.parametrize("n", [2])
+async def test_relay_waits_for_room_when_other_processes_fill_every_slot(redis_url: str, n: int) -> None:
+    """The relay's lease step: every miner full elsewhere, the request waits (bounded) and then gets one."""
+    from gateway.relay import Relay, RelayConfig
+
+    a_link, b_link = await _links(redis_url)
+    a, b = _router(), _router()
+    la, lb = SharedLeases(a_link, a, name="a", refresh_s=0.05), SharedLeases(b_link, b, name="b")
+    runner = asyncio.create_task(la.run())
+    try:
+        held = []
+        for uid in (1, 2):
+            for _ in range(n):
+                lease = b.acquire_uid(uid)
+                assert lease is not None and await lb.hold(lease)
+                held.append(lease)
+        relay = Relay(RelayConfig(), a, None, None)  # type: ignore[arg-type]  # only its lease step runs here
+        relay.leases = la
+
+        class Req:
+            model = None
+            needs: frozenset[str] = frozenset()
+
+        loop = asyncio.get_running_loop()
+        assert await relay._acquire(Req(), set(), loop.time() + 0.3) is None  # type: ignore[arg-type]
+        waiting = asyncio.create_task(relay._acquire(Req(), set(), loop.time() + 5.0))  # type: ignore[arg-type]
+        await asyncio.sleep(0.2)
+        b.release(held[0])
+        await lb.flush()
+        lease = await waiting
+        assert lease is not None and lease.miner.uid == 1 and lease.token is not None
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        for link in (a_link, b_link):
+            await link.aclose()
