@@ -331,7 +331,8 @@ class Gateway:
 
     async def _health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         await send_json(send, 200, {"status": "ok", "miners": len(self.router),
-                                    "in_flight": self.router.total_in_flight()})
+                                    "in_flight": self.router.total_in_flight(),
+                                    "pid": os.getpid()})  # which gateway process answered (--gateway.workers)
 
     async def _ready(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
         """200 when the service should get traffic; 503 with the first reason it should not (no key: for load
@@ -410,6 +411,7 @@ class Gateway:
                 "endpoint": m.endpoint,
                 "slots": m.slots,
                 "in_flight": m.in_flight,
+                "in_flight_elsewhere": m.elsewhere,  # the other gateway processes' (gateway.shared)
                 "score": m.score,  # None: not measured yet, routed at the prior
                 "quarantined": m.quarantined,  # failed its audits: probes only, paid 0
                 "served": m.served,

@@ -43,6 +43,9 @@ def supervise(
             except asyncio.CancelledError:
                 raise
             except Exception:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():  # asked to stop while a library turned it into an error
+                    raise asyncio.CancelledError from None
                 logger.opt(exception=True).error("task {} crashed; restarting in {:.1f}s", name, backoff)
             if restarts is not None:
                 restarts[name] = restarts.get(name, 0) + 1

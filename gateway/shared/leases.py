@@ -34,7 +34,7 @@ from collections import Counter
 from loguru import logger
 
 from ..router import Lease, MinerState, Router
-from .link import RedisError, RedisLink
+from .link import RedisError, RedisLink, woken
 
 # KEYS: the miner's lease set; ARGV: member, slots, ttl ms.
 # Returns the miner's leases before this one, or -1 - that count when its slots are all held.
@@ -146,12 +146,7 @@ class SharedLeases:
         loop = asyncio.get_running_loop()
         renew_at = refresh_at = 0.0
         while True:
-            try:
-                async with asyncio.timeout(self.refresh_s):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await woken(self._wake, self.refresh_s)
             if not self.link.usable():
                 self._ops.clear()  # what they would undo expires by itself
                 continue

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from loguru import logger
 
 from ..quota import DAY_S, KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
-from .link import RedisError, RedisLink
+from .link import RedisError, RedisLink, woken
 
 # KEYS: streams zset, rpm hash, tpm hash, day hash. ARGV: streams, rpm, tpm, tpd (-1: none), reserve, ticket, ttl ms.
 # Returns {0, second} when admitted; {code, figure, wait s} when not (1 streams, 2 rpm, 3 tpm, 4 tpd, 5 too big).
@@ -204,12 +204,7 @@ class SharedLimits:
         loop = asyncio.get_running_loop()
         renew_at = loop.time() + self.ttl_ms / 3000
         while True:
-            try:
-                async with asyncio.timeout(1.0):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await woken(self._wake, 1.0)
             if not self.link.usable():
                 continue  # kept: sent when Redis is back (a stream's hold expires by itself meanwhile)
             try:

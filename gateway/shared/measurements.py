@@ -36,7 +36,7 @@ from redis.exceptions import ResponseError
 
 from scoring.measurement import Measurement
 
-from .link import RedisError, RedisLink
+from .link import RedisError, RedisLink, woken
 
 STREAM = "measurements"
 GROUP = "scorer"
@@ -87,12 +87,7 @@ class MeasurementPublisher:
     async def run(self) -> None:
         """Send the buffer every ``every_s`` (sooner when a batch is full), until cancelled."""
         while True:
-            try:
-                async with asyncio.timeout(self.every_s):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await woken(self._wake, self.every_s)
             await self.send()
 
     async def send(self) -> int:

@@ -1,7 +1,8 @@
 """Entry point of one gateway worker process the validator starts (``--gateway.workers``): reads its spec on stdin.
 
 The spec is JSON: ``config`` (the validator's, :func:`~neurons.validator.config.config_to_json`, with the port it
-bound), ``api_keys`` (keys given as a list, the local subnet's) and ``name``. The key is loaded here as the validator
+bound), ``api_keys`` (keys given as a list, the local subnet's) and ``parent`` (the validator's pid: a worker whose
+validator died, by kill -9 too, stops rather than serve with no one scoring). The key is loaded here as the validator
 loads it (the wallet's hotkey, or the local subnet's development key), never sent through the pipe. The worker writes
 one line, ``listening <port>``, on stdout once it serves; its logs go to stderr, the validator's.
 """
@@ -9,9 +10,13 @@ one line, ``listening <port>``, on stdout once it serves; its logs go to stderr,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import sys
 from typing import Any
+
+from loguru import logger
 
 from .config import ValidatorConfig, config_from_json
 
@@ -40,11 +45,30 @@ def main() -> int:
         sys.stdout.write(f"listening {port}\n")
         sys.stdout.flush()
 
+    async def run() -> int:
+        gateway = asyncio.create_task(run_gateway(cfg, worker_keypair(cfg), api_keys=spec.get("api_keys"),
+                                                  on_ready=ready))
+        orphaned = asyncio.create_task(_parent_gone(int(spec.get("parent", os.getppid()))))
+        done, _ = await asyncio.wait({gateway, orphaned}, return_when=asyncio.FIRST_COMPLETED)
+        if orphaned in done:  # the validator died (kill -9): stop as on SIGTERM, never serve without its scorer
+            gateway.cancel()
+        else:
+            orphaned.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            return await gateway
+        return 0
+
     try:
-        return asyncio.run(_until_stopped(run_gateway(cfg, worker_keypair(cfg), api_keys=spec.get("api_keys"),
-                                                      on_ready=ready)))
+        return asyncio.run(_until_stopped(run()))
     except KeyboardInterrupt:
         return 0
+
+
+async def _parent_gone(parent: int) -> None:
+    """Return once the process that started this one is gone (this one is then re-parented)."""
+    while os.getppid() == parent:  # noqa: ASYNC110 - polls the OS, no event to wait on
+        await asyncio.sleep(1.0)
+    logger.warning("the validator (pid {}) is gone: this gateway worker stops", parent)
 
 
 if __name__ == "__main__":

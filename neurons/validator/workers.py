@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import sys
 
@@ -41,7 +42,7 @@ class WorkerPool:
                     self.cfg.gateway_port, self.pids())
 
     async def _spawn(self, i: int) -> None:
-        spec = json.dumps({"config": config_to_json(self.cfg), "api_keys": self.api_keys, "name": f"w{i + 1}"})
+        spec = json.dumps({"config": config_to_json(self.cfg), "api_keys": self.api_keys, "parent": os.getpid()})
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "neurons.validator.worker",
                                                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         self.procs[i] = proc
