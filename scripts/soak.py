@@ -25,10 +25,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import shutil
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--util-cap", type=float, default=0.7, help="cap of that extra TTFT, simulated seconds")
     p.add_argument("--sequential-routers", action="store_true",
                    help="run the routers of a scenario one after the other instead of side by side")
+    p.add_argument("--gateways", type=int, default=1,
+                   help="gateways sharing their state through Redis (issue 28), the requests spread over them; "
+                        "above 1 starts Debian's redis-server on a free port unless --redis-url is given")
+    p.add_argument("--redis-url", default=None, help="the Redis the gateways share (with --gateways above 1)")
     p.add_argument("--smoke", action="store_true",
                    help="a few short rounds at a high time scale, for CI: checks the plumbing, not the figures "
                         "(the adversarial scenario keeps the full run's time scale and is judged)")
@@ -90,14 +99,46 @@ def routers_for(args: argparse.Namespace, sc: Scenario) -> list[str]:
 async def run_all(args: argparse.Namespace) -> int:
     window = 2 if args.smoke else args.window
     scale = 40.0 if args.smoke else args.time_scale
-    opts = RunOptions(scale=scale, seed=args.seed, window=window, util_ttft_s=args.util_ttft,
-                      util_cap_s=args.util_cap)
+    with contextlib.ExitStack() as stack:
+        redis_url = args.redis_url
+        if args.gateways > 1 and redis_url is None:
+            redis_url = stack.enter_context(redis_server())
+        opts = RunOptions(scale=scale, seed=args.seed, window=window, util_ttft_s=args.util_ttft,
+                          util_cap_s=args.util_cap, gateways=args.gateways, redis_url=redis_url)
+        return await _run_all(args, opts, window)
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """Debian's redis-server on a free loopback port, in memory, for this run only."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("--gateways above 1 needs Debian's redis-server (apt-get install -y redis-server) "
+                         "or --redis-url")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def _run_all(args: argparse.Namespace, opts: RunOptions, window: int) -> int:
     scenarios = build_scenarios(window=window, smoke=args.smoke)
     names = SCENARIO_NAMES if args.scenario == "all" else (args.scenario,)
     t0 = time.monotonic()
     report: dict[str, list[dict]] = {}
     failed = 0
-    print(f"soak: time scale {scale:g}, settlement window {window} rounds, seed {args.seed}"
+    gateways = f", {opts.gateways} gateways sharing {opts.redis_url}" if opts.gateways > 1 else ""
+    print(f"soak: time scale {opts.scale:g}, settlement window {window} rounds, seed {args.seed}{gateways}"
           + (" (smoke)" if args.smoke else ""), flush=True)
     for name in names:
         sc = scenarios[name]
@@ -122,7 +163,7 @@ async def run_all(args: argparse.Namespace) -> int:
         report[name] = [to_json(sc, r, summaries[k]) for k, r in results.items()]
     args.out.mkdir(parents=True, exist_ok=True)
     wall = time.monotonic() - t0
-    meta = {"time_scale": scale, "window": window, "seed": args.seed, "smoke": args.smoke, "wall_s": wall,
+    meta = {"time_scale": opts.scale, "window": window, "seed": args.seed, "smoke": args.smoke, "wall_s": wall,
             "util_ttft_s": args.util_ttft, "util_cap_s": args.util_cap,
             "options": dataclasses.asdict(opts)}
     (args.out / "soak.json").write_text(json.dumps({"meta": meta, "scenarios": report}, indent=1, default=str))

@@ -285,3 +285,58 @@ def test_the_local_subnet_runs_with_two_gateway_workers(redis_url: str, tmp_path
     read, unacknowledged, leases = asyncio.run(stream_state())
     assert read > 20 and unacknowledged == 0  # every measurement of both processes was scored and saved
     assert sum(leases) == 0  # every lease released
+
+
+async def test_redis_down_the_gateway_serves_on_and_sends_its_measurements_when_it_is_back(
+        make_miner: Any, alice: Keypair, tmp_path: Path) -> None:
+    """Redis killed under a gateway: requests are still routed (local counts) and served, a limited key gets its
+    local share of each limit, measurements wait in the buffer; Redis back: they all reach the scorer. Said once."""
+    from gateway.router import Candidate
+    from neurons.validator.build import build_parts
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    miner = await make_miner(Script("ok", tokens=4), slots=4)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-limited-0123 name=limited rpm=10\n")
+    cfg = ValidatorConfig(gateway_port=0, models=[MODEL], redis_url=server.url, gateway_workers=2)
+    parts = build_parts(cfg, alice, env={}, keys_file=str(keys), freeze_heap=False)
+    assert parts.shared is not None
+    parts.router.sync([Candidate(uid=1, hotkey=miner.hotkey, endpoint=miner.endpoint, slots=4)])
+    loops = [asyncio.create_task(fn()) for fn in parts.shared.loops().values()]
+    await parts.gateway.start()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    statuses: list[int] = []
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def ask() -> None:
+                async with s.post(f"http://127.0.0.1:{parts.gateway.port}/v1/chat/completions", json=body,
+                                  headers={"Authorization": "Bearer sk-limited-0123"}) as r:
+                    await r.read()
+                    statuses.append(r.status)
+
+            for _ in range(2):
+                await ask()
+            server.kill()
+            for _ in range(8):
+                await ask()
+            assert statuses == [200] * 7 + [429] * 3  # 2 with Redis; then 10 // 2 processes = 5 a minute locally
+            assert len(parts.shared.publisher) >= 5  # waiting for Redis
+            server.start()
+            link = parts.shared.link
+            assert link.outages == 1  # said once, not once a request
+
+            async def empty() -> bool:
+                return len(parts.shared.publisher) == 0 if parts.shared else True  # noqa: B023
+
+            assert await _until(empty, 10.0), "the buffer was not sent when Redis came back"
+        reader = MeasurementReader(RedisLink(server.url, NS))
+        got = await reader.pull()
+        assert len(got) == 7 and all(m.ok for m in got) and link.up
+        await reader.link.aclose()
+    finally:
+        await parts.aclose()
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        server.kill()

@@ -33,7 +33,7 @@ from collections import Counter
 
 from loguru import logger
 
-from ..router import Lease, MinerState, Router
+from ..router import Lease, Router
 from .link import RedisError, RedisLink, woken
 
 # KEYS: the miner's lease set; ARGV: member, slots, ttl ms.
@@ -90,6 +90,7 @@ class SharedLeases:
         self._count = link.redis.register_script(_COUNT)
         self._ids = itertools.count()
         self._mine: dict[str, Lease] = {}  # token -> live lease this process holds in Redis
+        self._per_miner: Counter[str] = Counter()  # hotkey -> how many of them
         self._ops: list[tuple[str, str, str]] = []  # ("rel" | "deliver", hotkey, token), flushed in one pipeline
         self._wake = asyncio.Event()
         self.refused = 0  # holds refused because the miner's slots were full subnet-wide
@@ -99,17 +100,13 @@ class SharedLeases:
     def _keys(self, hotkey: str) -> tuple[str, str]:
         return self.link.key("lease", hotkey), self.link.key("deliver", hotkey)
 
-    def _own(self, m: MinerState) -> int:
-        """This process's leases on ``m`` held in Redis (in flight here, shared)."""
-        return sum(1 for lease in self._mine.values() if lease.miner is m)
-
     async def hold(self, lease: Lease) -> bool:
         """Take the request's place among the miner's declared slots subnet-wide; False when they are all held."""
         if not self.link.usable():
             return True
         m = lease.miner
         token = f"{self.name}:{next(self._ids)}"
-        own = self._own(m)
+        own = self._per_miner[m.hotkey]  # this process's leases on it in Redis
         try:
             n = int(await self._take(keys=[self._keys(m.hotkey)[0]],
                                      args=[token, m.slots, self.ttl_ms]))
@@ -128,11 +125,13 @@ class SharedLeases:
         lease.token = token
         lease.in_flight_at_dispatch = n  # subnet-wide: a 429 is judged against every process's streams
         self._mine[token] = lease
+        self._per_miner[m.hotkey] += 1
         self.router.note_elsewhere(m, n - own)
         return True
 
     def _released(self, lease: Lease) -> None:
         if lease.token is not None and self._mine.pop(lease.token, None) is not None:
+            self._per_miner[lease.miner.hotkey] -= 1
             self._ops.append(("rel", lease.miner.hotkey, lease.token))
             self._wake.set()
 
@@ -200,9 +199,9 @@ class SharedLeases:
             return
         keys = [k for m in miners for k in self._keys(m.hotkey)]
         counts = await self._count(keys=keys)
-        own = Counter(lease.miner.hotkey for lease in self._mine.values())
         own_delivering = Counter(lease.miner.hotkey for lease in self._mine.values() if lease.delivering)
-        out = {m.hotkey: (int(counts[2 * i]) - own[m.hotkey], int(counts[2 * i + 1]) - own_delivering[m.hotkey])
+        out = {m.hotkey: (int(counts[2 * i]) - self._per_miner[m.hotkey],
+                          int(counts[2 * i + 1]) - own_delivering[m.hotkey])
                for i, m in enumerate(miners)}
         self.router.set_elsewhere(out)
         self.link.worked()

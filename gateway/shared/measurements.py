@@ -187,13 +187,21 @@ class MeasurementReader:
         return out
 
     async def ack(self, refs: Iterable[str]) -> bool:
-        """Acknowledge entries whose round is saved; False (kept pending, to be acknowledged later) on failure."""
+        """Acknowledge entries whose round is saved; False (kept pending, to be acknowledged later) on failure.
+
+        Then the stream is trimmed below its oldest entry still pending (or the last one read, when none is): what
+        every saved round holds leaves Redis, what the scorer may still need stays.
+        """
         ids = list(refs)
         if not ids:
             return True
         try:
             for i in range(0, len(ids), 1000):
                 await self.link.redis.xack(self.key, GROUP, *ids[i:i + 1000])
+            pending: Any = await self.link.redis.xpending(self.key, GROUP)
+            oldest = pending.get("min") if isinstance(pending, dict) and pending.get("pending") else None
+            keep_from = oldest.decode() if isinstance(oldest, bytes) else oldest or self._last
+            await self.link.redis.xtrim(self.key, minid=keep_from, approximate=True)
         except (RedisError, OSError) as e:
             self.link.failed(e)
             return False

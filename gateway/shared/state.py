@@ -8,8 +8,9 @@ Built by the validator's wiring (:func:`neurons.validator.build.build_parts`) wh
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from loguru import logger
 
@@ -26,7 +27,7 @@ class SharedState:
     limits: SharedLimits
     publisher: MeasurementPublisher
 
-    def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
+    def loops(self) -> dict[str, Callable[[], Coroutine[Any, Any, None]]]:
         """The background loops, by name, for the process's supervisor."""
         return {"shared-leases": self.leases.run, "shared-limits": self.limits.run,
                 "shared-measurements": self.publisher.run}

@@ -5,6 +5,11 @@ least-in-flight), real signing (btauth, one receiver hotkey per miner) and real 
 measurement queue drained into the scorer twice a second and a round closed every 20 s, as the
 validator does (compressed). It runs in its own process so its CPU and RSS can be read from ``/proc``.
 
+With ``--redis-url`` it is one of several gateway processes sharing Redis (gateway.shared), as
+``--gateway.workers`` runs them: leases, key limits and measurements go through Redis; ``--port`` with
+``--workers N`` lets N of them serve one port (SO_REUSEPORT), and the one started with ``--scorer`` reads the
+measurement stream into the scorer and acknowledges each round, as the validator does.
+
 Prints ``READY {"port": ..., "pid": ...}`` once listening; exits when killed, when its parent dies,
 or after ``--max-seconds``::
 
@@ -28,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for
 
 from bench_lib.fake_upstream import validator_keypair  # noqa: E402
 from gateway.router import Candidate  # noqa: E402
+from gateway.shared.measurements import MeasurementReader  # noqa: E402
 from neurons.validator.build import build_parts  # noqa: E402
 from neurons.validator.config import ValidatorConfig  # noqa: E402
 
@@ -42,13 +48,19 @@ def parse_miner(spec: str, uid: int) -> Candidate:
 
 
 async def serve(candidates: list[Candidate], key: str, models: list[str], seed: int, max_seconds: float,
-                drain_every: float, round_every: float = 20.0) -> None:
+                drain_every: float, round_every: float = 20.0, *, redis_url: str | None = None, port: int = 0,
+                workers: int = 1, scorer: bool = True, keys_file: str | None = None) -> None:
     parent = os.getppid()
-    parts = build_parts(ValidatorConfig(gateway_port=0, models=models, seed=seed), validator_keypair(),
-                        api_keys=[key], env={})
+    cfg = ValidatorConfig(gateway_port=port, models=models, seed=seed, redis_url=redis_url, gateway_workers=workers,
+                          api_keys_file=keys_file)
+    parts = build_parts(cfg, validator_keypair(), api_keys=[key], env={})
     parts.router.sync(candidates)
+    shared = parts.shared
+    reader = MeasurementReader(shared.link) if shared is not None and scorer else None
+    loops = [asyncio.create_task(fn(), name=name) for name, fn in (shared.loops().items() if shared else ())]
     sink = parts.measurements
     drained = 0
+    unacked: list[str] = []
     await parts.gateway.start()
     try:
         print("READY " + json.dumps({"port": parts.gateway.port, "pid": os.getpid()}), flush=True)
@@ -57,14 +69,23 @@ async def serve(candidates: list[Candidate], key: str, models: list[str], seed: 
         next_round = loop.time() + round_every
         while os.getppid() == parent and loop.time() < end:
             await asyncio.sleep(drain_every)
-            for m in sink.drain():  # as the validator does: the measurement queue feeds the scorer
+            batch = sink.drain() if reader is None else await reader.pull()
+            for m in batch:  # as the validator does: the measurements feed the scorer
                 parts.scorer.record(m)
+                if m.ref is not None:
+                    unacked.append(m.ref)
                 drained += 1
             if loop.time() >= next_round:  # and rounds close, so the round in progress stays bounded
                 parts.scorer.close_round()
+                if reader is not None:
+                    await reader.ack(unacked)
+                    unacked.clear()
                 next_round += round_every
     finally:
         await parts.aclose()
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
         logger.info("gateway bench process done: {} measurements drained, {} overflowed",
                     drained + len(sink), sink.overflowed)
 
@@ -79,12 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--round-every", type=float, default=20.0, help="seconds between scoring rounds closed")
     p.add_argument("--log-level", default="WARNING", help="loguru level on stderr")
     p.add_argument("--max-seconds", type=float, default=3600.0, help="exit after this long regardless")
+    p.add_argument("--redis-url", default=None, help="share state with the other gateway processes here")
+    p.add_argument("--port", type=int, default=0, help="port to serve (0: any free one)")
+    p.add_argument("--workers", type=int, default=1, help="gateway processes serving --port together")
+    p.add_argument("--no-scorer", action="store_true", help="with --redis-url: another process reads the stream")
+    p.add_argument("--keys-file", default=None, help="API keys file (names and limits) besides --key")
     a = p.parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level=a.log_level)
     cands = [parse_miner(spec, uid) for uid, spec in enumerate(a.miner)]
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(cands, a.key, a.model or ["bench"], a.seed, a.max_seconds, a.drain_every, a.round_every))
+        asyncio.run(serve(cands, a.key, a.model or ["bench"], a.seed, a.max_seconds, a.drain_every, a.round_every,
+                          redis_url=a.redis_url, port=a.port, workers=a.workers, scorer=not a.no_scorer,
+                          keys_file=a.keys_file))
     return 0
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 from collections import Counter
@@ -37,7 +38,7 @@ from neurons.validator.build import build_parts
 from neurons.validator.config import ValidatorConfig
 from neurons.validator.probes import ProbeRunner
 from neurons.validator.prompts import PromptGenerator
-from scoring.measurement import Measurement
+from scoring.measurement import Measurement, MeasurementQueue
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
 
@@ -60,6 +61,10 @@ class RunOptions:
     util_ttft_s: float = 12.0  # simulated seconds of TTFT per unit of recent busy fraction (seed only)
     util_cap_s: float = 0.7
     util_tau_s: float = 300.0
+    # Gateways sharing state through Redis (issue 28): this many gateways, each its own router, leases and limits
+    # in Redis, the client's requests spread over them in turn. 1: the single process, no Redis.
+    gateways: int = 1
+    redis_url: str | None = None
 
 
 @dataclass
@@ -232,31 +237,50 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                      for m in miners])
         # The validator's own wiring; measurements are drained into the scorer at each round's close,
         # rescaled to simulated seconds on the way (the validator drains its queue the same way).
-        parts = build_parts(ValidatorConfig(gateway_port=0, models=[MODEL], max_retries=2,
-                                            settlement_rounds=opts.window),
-                            vkey, api_keys=[API_KEY], router=router,
+        queue = MeasurementQueue()  # every gateway's measurements, in the order they came (the stream's job)
+        cfg = ValidatorConfig(gateway_port=0, models=[MODEL], max_retries=2, settlement_rounds=opts.window,
+                              redis_url=opts.redis_url if opts.gateways > 1 else None, gateway_workers=opts.gateways)
+        parts = build_parts(cfg, vkey, api_keys=[API_KEY], router=router, sink=queue,
                             timeouts=scaled_timeouts(UpstreamTimeouts(), scale), env={},
                             reference=ToyReference() if sc.audits else None)
+        others = []  # the other gateways: their own router and upstream, the same Redis, no scorer
+        for i in range(1, opts.gateways):
+            other_router = make_router(router_kind, random.Random(f"{opts.seed}:{sc.name}:{router_kind}:{i}"))
+            other_router.sync([Candidate(uid=m.uid, hotkey=m.key.ss58_address, endpoint=m.endpoint,
+                                         slots=slots[m.uid]) for m in miners])
+            others.append(build_parts(cfg, vkey, api_keys=[API_KEY], router=other_router, sink=queue,
+                                      timeouts=scaled_timeouts(UpstreamTimeouts(), scale), env={},
+                                      reference=ToyReference() if sc.audits else None))
         auditor = parts.auditor
         if auditor is not None:
             audits = asyncio.create_task(auditor.run())
             stack.push_async_callback(_cancelled, audits)
-        if router_kind not in ("project", "slots"):  # the reference routers ignore X-Miner-Slots
-            parts.upstream.on_slots = None
+        for p in (parts, *others):
+            if router_kind not in ("project", "slots"):  # the reference routers ignore X-Miner-Slots
+                p.upstream.on_slots = None
+            if p.shared is not None:
+                for name, loop_fn in p.shared.loops().items():
+                    t = asyncio.create_task(loop_fn(), name=name)
+                    stack.push_async_callback(_cancelled, t)
         scorer, upstream = parts.scorer, parts.upstream
         sink = TimeScaledSink(scorer, scale, taps=(tap,))
-        await parts.gateway.start()
-        stack.push_async_callback(parts.aclose)
-        gw = parts.gateway
-        url = f"http://127.0.0.1:{gw.port}/v1/chat/completions"
+        urls = []
+        for p in (parts, *others):
+            await p.gateway.start()
+            stack.push_async_callback(p.aclose)
+            urls.append(f"http://127.0.0.1:{p.gateway.port}/v1/chat/completions")
+        hold = parts.shared.leases.hold if parts.shared is not None else None
+        turn = itertools.count()
         prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens)
         probe_prompts = _Prompts(random.Random(rng.random()), sc.traffic.max_tokens, oracle)
         traffic_rng = random.Random(rng.random())
-        probes = _Probes(router, upstream.probe, probe_prompts, MODEL, random.Random(rng.random()), oracle=oracle)
+        probes = _Probes(router, upstream.probe, probe_prompts, MODEL, random.Random(rng.random()), oracle=oracle,
+                         hold=hold)
         alive = {m.label: True for m in miners}
 
         async def post(body: dict[str, Any], label: str = "") -> None:
             """One client request through the gateway, its outcome counted as ``label`` + status."""
+            url = urls[next(turn) % len(urls)]  # the gateways in turn (SO_REUSEPORT spreads connections so)
             try:
                 async with client.post(url, json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                                        timeout=aiohttp.ClientTimeout(total=max(30.0, 600.0 / scale))) as resp:
@@ -294,6 +318,8 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
             if lease is None:
                 return
             try:
+                if hold is not None and not await hold(lease):
+                    return
                 await upstream.probe(lease, probe_prompts.payload(MODEL))
             finally:
                 router.release(lease)
@@ -362,7 +388,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                                          probes.run_round(sc.probes_per_miner, round_real))
                 if tasks:  # organic stragglers; probes and sequential traffic are already awaited
                     await asyncio.wait(set(tasks), timeout=DRAIN_S)
-                for meas in parts.measurements.drain():
+                for meas in queue.drain():
                     if auditor is None or not auditor.take(meas):
                         sink.record(meas)
                 quarantined: set[str] = set()
@@ -378,6 +404,9 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                     router.set_quarantined(quarantined)
                     auditor.new_round()
                 _close(scorer, router, result, miners, alive, current, hk2uid, quarantined)
+                for p in others:  # what the validator publishes for its other gateways (gateway.shared.routing)
+                    p.router.set_scores(scorer.routing_scores())
+                    p.router.set_quarantined(quarantined)
                 current.clear()
         finally:
             for t in list(tasks):
