@@ -31,7 +31,7 @@ from loguru import logger
 
 from gateway.router import Candidate, Router
 from gateway.upstream import UpstreamTimeouts
-from neurons.miner.server import start_miner
+from neurons.miner.server import MINER_KEY, start_miner
 from neurons.miner.trust import AllowList
 from neurons.reference.toy import ToyReference
 from neurons.validator.build import build_parts
@@ -86,6 +86,7 @@ class MinerSeries:
     runtime_ttfts: list[float] = field(default_factory=list)  # simulated s, measured inside the card
     background_streams: int = 0  # streams the card served for other validators (invisible load)
     max_in_flight_at_dispatch: int = 0
+    refused_busy: int = 0  # the miner's own 429s for this validator's streams filling its slots (0: never over them)
 
 
 @dataclass
@@ -142,6 +143,7 @@ class _Miner:
         self.label, self.uid, self.key, self.runtime, self.slots = label, uid, key, runtime, slots
         self.runner: web.AppRunner | None = None
         self.port = 0
+        self.refused_busy = 0
 
     @property
     def endpoint(self) -> str:
@@ -154,6 +156,8 @@ class _Miner:
     async def stop(self) -> None:
         if self.runner is not None:
             runner, self.runner = self.runner, None
+            # 429s its server sent because this validator filled its declared slots, over each life of it
+            self.refused_busy += int(runner.app[MINER_KEY].refused_busy)
             await runner.cleanup()
 
 
@@ -414,6 +418,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
             await asyncio.gather(*tasks, return_exceptions=True)
     for m in miners:
         result.series[m.label].runtime_ttfts = list(m.runtime.runtime_ttfts)
+        result.series[m.label].refused_busy += m.refused_busy
         if isinstance(m.runtime, CardRuntime):
             result.series[m.label].background_streams = m.runtime.background_streams
     result.wall_s = time.monotonic() - t_start

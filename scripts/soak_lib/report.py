@@ -224,6 +224,7 @@ def miner_rows(sc: Scenario, res: RunResult) -> list[dict[str, Any]]:
             "mean_round_credit": sum(credits) / len(credits) if credits else None,
             "round_credits": s.credit, "settled": s.settled[-1], "weight": s.weight[-1],
             "overhead_s": over, "max_in_flight_at_dispatch": s.max_in_flight_at_dispatch,
+            "refused_busy": s.refused_busy,
         })
     return rows
 
