@@ -138,7 +138,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="repetitions per level, paths interleaved in each; samples pooled (tames noisy p99s)")
     p.add_argument("--ports", type=int, default=4, help="fake miner ports")
     p.add_argument("--ttft-ms", type=float, default=50.0, help="fake miner delay before the first token")
-    p.add_argument("--tokens", type=int, default=16, help="tokens per completion")
+    p.add_argument("--tokens", default="16,128",
+                   help="tokens per completion; a comma list runs the whole benchmark once per length (short "
+                        "answers decide added TTFT, long ones the CPU per relayed token)")
     p.add_argument("--interval-ms", type=float, default=20.0, help="fake miner time between tokens")
     p.add_argument("--arrivals", choices=("staggered", "lockstep"), default="staggered",
                    help="client workers start at random offsets over one request (steady state) or together (bursts)")
@@ -156,7 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.concurrency = "1,4" if a.concurrency == p.get_default("concurrency") else a.concurrency
         a.requests = a.requests or 12
         a.warmup = min(a.warmup, 2)
-        a.tokens, a.ttft_ms, a.interval_ms = 4, 10.0, 2.0
+        a.tokens, a.ttft_ms, a.interval_ms = "4", 10.0, 2.0
         if a.paths == p.get_default("paths"):
             a.paths = "direct,signed,pyrelay,nginx,gateway"  # LiteLLM takes ~10 s to boot: ask for it explicitly
     a.path_list = [x.strip() for x in a.paths.split(",") if x.strip()]
@@ -167,6 +169,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = set(a.path_list) - set(ALL_PATHS)
     if bad:
         p.error(f"unknown path(s): {', '.join(sorted(bad))}")
+    a.token_list = [int(x) for x in str(a.tokens).split(",") if x.strip()]
+    if not a.token_list or min(a.token_list) < 1:
+        p.error("--tokens needs positive integers")
     a.levels = [int(x) for x in a.concurrency.split(",") if x.strip()]
     if not a.levels or min(a.levels) < 1:
         p.error("--concurrency needs positive integers")
@@ -447,6 +452,16 @@ def _ratio(num: tuple[float, float] | None, den: tuple[float, float] | None, flo
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     exit_on_signals()
+    rc = 0
+    for tokens in a.token_list:  # the whole run once per answer length, each with its own fake miners' schedule
+        one = argparse.Namespace(**{**vars(a), "tokens": tokens})
+        if a.json and len(a.token_list) > 1:
+            one.json = str(Path(a.json).with_suffix("")) + f"-{tokens}.json"
+        rc = max(rc, _run(one))
+    return rc
+
+
+def _run(a: argparse.Namespace) -> int:
     with ExitStack() as stack:
         if a.workdir:
             workdir = Path(a.workdir)

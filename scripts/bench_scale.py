@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         info = up.wait_ready()
         miners = [f"127.0.0.1:{p}={h}=1024" for p, h in zip(info["ports"], info["hotkeys"], strict=True)]
         keys_file = workdir / "keys.txt"
-        keys_file.write_text(f"{KEY} name=bench\n{LIMITED_KEY} name=limited rpm={a.rpm}\n")
+        limited = [f"{LIMITED_KEY}-{rep}" for rep in range(a.repeat)]  # a fresh minute for each repetition
+        keys_file.write_text(f"{KEY} name=bench\n" + "".join(f"{k} name=limited-{i} rpm={a.rpm}\n"
+                                                              for i, k in enumerate(limited)))
         script = _wrk_script(workdir, body, KEY)
         others = [up.pid, redis.pid]
         print(f"{a.connections} streams of {a.tokens} tokens ({a.ttft_ms:g} ms to the first, then "
@@ -193,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                     ok = n - failed
                     sat = Saturation(config, ok / secs, ok * a.tokens / secs, failed, g1 - g0, o1 - o0, secs)
                     results[config].append(sat)
+                    busy = (sat.gateway_cpu_s + sat.other_cpu_s) / secs
                     line = (f"  rep {rep + 1} {config:16s} {sat.rps:7.1f} req/s {sat.tokens_s:9.0f} tok/s "
-                            f"gateway CPU {sat.cpu_us_per_token:5.1f} us/token, failed {failed}")
+                            f"gateway CPU {sat.cpu_us_per_token:5.1f} us/token, failed {failed}; gateways, fake "
+                            f"miners and Redis kept {busy:.2f} cores busy")
                     if config in ttft:
                         res = asyncio.run(run_level(gw.url, concurrency=a.latency_c, requests=a.latency_n, body=body,
                                                     headers={"Authorization": f"Bearer {KEY}"},
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                         line += f"; c={a.latency_c} TTFT p50 {ttft[config][-1][0]:.2f} p99 {ttft[config][-1][1]:.2f}"
                     if config.startswith("2"):
                         res = asyncio.run(run_level(gw.url, concurrency=32, requests=2 * a.rpm, body=body,
-                                                    headers={"Authorization": f"Bearer {LIMITED_KEY}"},
+                                                    headers={"Authorization": f"Bearer {limited[rep]}"},
                                                     expect_tokens=a.tokens, seed=rep))
                         admitted.append((sum(1 for s in res.samples if s.status == 200), a.rpm))
                         refused = sum(1 for s in res.samples if s.status == 429)
