@@ -327,3 +327,57 @@ async def test_relay_waits_for_room_when_other_processes_fill_every_slot(redis_u
         await asyncio.gather(runner, return_exceptions=True)
         for link in (a_link, b_link):
             await link.aclose()
+
+
+async def test_a_client_that_leaves_while_its_lease_is_taken_leaves_no_lease_behind(redis_url: str) -> None:
+    """Cancelled after the script ran but before its answer came back (the slow reply stands in for the network):
+    the lease the script added is given back, not left to hold a slot until it expires."""
+    link, = await _links(redis_url, 1)
+    r = _router()
+    leases = SharedLeases(link, r, name="a")
+    take = leases._take
+
+    async def slow_reply(**kw: Any) -> Any:
+        got = await take(**kw)
+        await asyncio.sleep(0.05)
+        return got
+
+    leases._take = slow_reply  # type: ignore[assignment]
+    try:
+        for _ in range(3):
+            lease = r.acquire_uid(1)
+            assert lease is not None
+            task = asyncio.create_task(leases.hold(lease))
+            await asyncio.sleep(0.02)  # the script has run; its answer is "on the way"
+            assert await link.redis.zcard(link.key("lease", "hk-a")) == 1
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            r.release(lease)
+            await leases.flush()
+            assert await link.redis.zcard(link.key("lease", "hk-a")) == 0
+    finally:
+        await link.aclose()
+
+
+async def test_a_client_that_leaves_while_admitted_leaves_no_stream_of_its_key_behind(redis_url: str) -> None:
+    link, = await _links(redis_url, 1)
+    limits = SharedLimits(link, QuotaBook())
+    admit = limits._admit
+
+    async def slow_reply(**kw: Any) -> Any:
+        got = await admit(**kw)
+        await asyncio.sleep(0.05)
+        return got
+
+    limits._admit = slow_reply  # type: ignore[assignment]
+    policy = KeyPolicy("gina", streams=1)
+    try:
+        task = asyncio.create_task(limits.admit(policy, 10))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await limits.flush()
+        limits._admit = admit  # type: ignore[assignment]
+        assert isinstance(await limits.admit(policy, 10), SharedTicket)  # its one stream is free again
+    finally:
+        await link.aclose()

@@ -110,7 +110,13 @@ class SharedLeases:
         try:
             n = int(await self._take(keys=[self._keys(m.hotkey)[0]],
                                      args=[token, m.slots, self.ttl_ms]))
-        except (RedisError, OSError) as e:
+        except (asyncio.CancelledError, RedisError, OSError) as e:
+            task = asyncio.current_task()
+            if isinstance(e, asyncio.CancelledError) or (task is not None and task.cancelling()):
+                # the client left while we asked: the script may have run, so give its place back
+                self._ops.append(("rel", m.hotkey, token))
+                self._wake.set()
+                raise asyncio.CancelledError from None
             self.link.failed(e)
             return True
         self.link.worked()

@@ -175,7 +175,14 @@ class SharedLimits:
         try:
             code, figure, wait = (int(x) for x in await self._admit(
                 keys=self._keys(policy.name, day), args=[*args, reserve, token, self.ttl_ms]))
-        except (RedisError, OSError) as e:
+        except (asyncio.CancelledError, RedisError, OSError) as e:
+            task = asyncio.current_task()
+            if isinstance(e, asyncio.CancelledError) or (task is not None and task.cancelling()):
+                # the client left while we asked: a stream the script may have taken is given back (what it
+                # charged stays: at most one request's reservation, against the key)
+                self._settles.append((SharedTicket(policy.name, reserve, 0, day, token, streams=True), 0))
+                self._wake.set()
+                raise asyncio.CancelledError from None
             self.link.failed(e)
             self.fallbacks += 1
             return self.local.admit(self.local_share(policy), reserve, now)
