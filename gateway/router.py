@@ -406,12 +406,7 @@ class Router:
         n = min(MAX_SLOTS, max(1, int(slots)))
         if n == m.slots:
             return
-        live = self._miners.get(m.uid) is m
-        if live:
-            self._unbucket(m)
-        m.slots = n
-        if live:
-            self._bucket_in(m)
+        self._reload(m, n, m.elsewhere)
         if self.on_room is not None:
             self.on_room()
 
@@ -470,13 +465,17 @@ class Router:
         if n == m.elsewhere:
             return False
         roomier = n < m.elsewhere
+        self._reload(m, m.slots, n)
+        return roomier
+
+    def _reload(self, m: MinerState, slots: int, elsewhere: int) -> None:
+        """Change what ``m``'s load is made of, moving it to its new load's bucket (a replaced miner has none)."""
         live = self._miners.get(m.uid) is m
         if live:
             self._unbucket(m)
-        m.elsewhere = n
+        m.slots, m.elsewhere = slots, elsewhere
         if live:
             self._bucket_in(m)
-        return roomier
 
     # -- inspection ------------------------------------------------------------------------------
 

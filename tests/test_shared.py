@@ -377,7 +377,7 @@ async def test_a_client_that_leaves_while_admitted_leaves_no_stream_of_its_key_b
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await limits.flush()
-        limits._admit = admit  # type: ignore[assignment]
+        limits._admit = admit
         assert isinstance(await limits.admit(policy, 10), SharedTicket)  # its one stream is free again
     finally:
         await link.aclose()
