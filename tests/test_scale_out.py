@@ -330,6 +330,10 @@ async def test_redis_down_the_gateway_serves_on_and_sends_its_measurements_when_
                 return len(parts.shared.publisher) == 0 if parts.shared else True  # noqa: B023
 
             assert await _until(empty, 10.0), "the buffer was not sent when Redis came back"
+            async with s.get(f"http://127.0.0.1:{parts.gateway.port}/metrics") as r:
+                metrics = await r.text()
+            assert "tensorgate_redis_outages_total 1.0" in metrics and "tensorgate_redis_up 1.0" in metrics
+            assert "tensorgate_shared_limit_fallbacks_total 8.0" in metrics  # the 8 asked while Redis was away
         reader = MeasurementReader(RedisLink(server.url, NS))
         got = await reader.pull()
         assert len(got) == 7 and all(m.ok for m in got) and link.up

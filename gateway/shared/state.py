@@ -8,11 +8,12 @@ Built by the validator's wiring (:func:`neurons.validator.build.build_parts`) wh
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from loguru import logger
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .leases import SharedLeases
 from .limits import SharedLimits
@@ -26,6 +27,27 @@ class SharedState:
     leases: SharedLeases
     limits: SharedLimits
     publisher: MeasurementPublisher
+
+    def families(self) -> Iterator[Metric]:
+        """Prometheus families of the shared state (added to the gateway's ``/metrics``): is Redis there, and what
+        waits or was given up while it was not."""
+        yield GaugeMetricFamily("tensorgate_redis_up", "1 while this process reaches the shared Redis",
+                                value=1.0 if self.link.up else 0.0)
+        yield CounterMetricFamily("tensorgate_redis_outages", "Times the shared Redis became unreachable",
+                                  value=self.link.outages)
+        yield CounterMetricFamily("tensorgate_redis_failures", "Calls to the shared Redis that failed",
+                                  value=self.link.failures)
+        yield GaugeMetricFamily("tensorgate_shared_measurements_buffered", "Measurements waiting to be sent to Redis",
+                                value=len(self.publisher))
+        yield CounterMetricFamily("tensorgate_shared_measurements_dropped",
+                                  "Measurements dropped from a full buffer while Redis was away",
+                                  value=self.publisher.dropped)
+        yield CounterMetricFamily("tensorgate_shared_leases_refused",
+                                  "Dispatches passed over because other processes held the miner's slots",
+                                  value=self.leases.refused)
+        yield CounterMetricFamily("tensorgate_shared_limit_fallbacks",
+                                  "Limited keys admitted on this process's share of their limits (Redis away)",
+                                  value=self.limits.fallbacks)
 
     def loops(self) -> dict[str, Callable[[], Coroutine[Any, Any, None]]]:
         """The background loops, by name, for the process's supervisor."""

@@ -146,6 +146,7 @@ def build_parts(
         gateway.relay.leases = shared.leases
         gateway.relay.full_wait_s = cfg.queue_s
         gateway.key_limits = shared.limits
+        gateway.metrics.add(shared.families)
     scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
     shapes = ShapeSample(rng=random.Random(seed_rng.random()))
