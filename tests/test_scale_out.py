@@ -5,6 +5,7 @@ subnet with two gateway workers (issue 28). Component behaviour against Redis is
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -242,42 +243,52 @@ async def test_the_validator_acknowledges_only_what_a_saved_round_holds(redis_ur
 
 
 def test_the_local_subnet_runs_with_two_gateway_workers(redis_url: str, tmp_path: Path) -> None:
-    """The README's main job with ``--gateway.workers 2``: both processes serve the port, rounds close, weights are
-    set, every measurement reaches the scorer and is acknowledged, and no lease is left behind."""
+    """The README's main job with ``--gateway.workers 2``: both processes serve the port; the worker, killed with
+    kill -9, is started again; rounds close, weights are set, every measurement reaches the scorer and is
+    acknowledged, and no lease is left behind."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "neurons.validator", "--local", "--gateway.workers", "2",
                              "--redis.url", redis_url, "--local.rounds", "2", "--gateway.port", str(port),
                              "--state-dir", str(tmp_path / "state")], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
 
-    async def pids() -> set[int]:
+    async def pids() -> tuple[set[int], int | None]:
+        """The pids answering the port; once both showed, kill -9 the worker and wait for its replacement."""
         seen: set[int] = set()
+        killed: int | None = None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
             end = time.monotonic() + 90
-            while len(seen) < 2 and time.monotonic() < end and proc.poll() is None:
+            while time.monotonic() < end and proc.poll() is None:
                 h = await _health(s, port)
                 if h is not None:
                     seen.add(int(h["pid"]))
+                if killed is None and len(seen) == 2:
+                    killed = next(p for p in seen if p != proc.pid)
+                    os.kill(killed, signal.SIGKILL)
+                if killed is not None and len(seen) == 3:
+                    break
                 await asyncio.sleep(0.05)
-        return seen
+        return seen, killed
 
     try:
-        seen = asyncio.run(pids())
+        seen, killed = asyncio.run(pids())
         out, _ = proc.communicate(timeout=200)
     finally:
         if proc.poll() is None:
             proc.kill()
     log = out.decode(errors="replace")
     assert proc.returncode == 0, log[-3000:]
-    assert len(seen) == 2 and proc.pid in seen, seen  # the validator and its worker both answer the port
+    # the validator and its worker both answered the port; the worker, killed, was replaced by a new one
+    assert proc.pid in seen and killed is not None and len(seen) == 3, (seen, killed)
     assert "1 gateway worker processes serve port" in log and "weights set at block" in log
+    assert f"gateway worker 1 (pid {killed}) exited with -9: starting it again" in log
     assert "Redis at" not in log  # no outage said
 
     async def stream_state() -> tuple[int, int, list[Any]]:
         r = aioredis.Redis.from_url(redis_url)
         try:
             group = (await r.xinfo_groups(f"{NS}:measurements"))[0]
-            leases = [await r.zcard(k) for k in await r.keys(f"{NS}:lease:*")]
+            leases = [await _live(r, k) for k in await r.keys(f"{NS}:lease:*")]
             return int(group["entries-read"]), int(group["pending"]), leases
         finally:
             await r.aclose()
