@@ -425,11 +425,16 @@ class Gateway:
             })
         usage = self.quota.usage.get(policy.name)
         counted_by = self.counter.name if self.counter is not None else "estimate (4 characters a token)"
-        key = {"name": policy.name,  # the caller's own key only: other keys' names and usage are not its business
-               "tokens_counted_by": counted_by,
-               "limits": {"rpm": policy.rpm, "tpm": policy.tpm, "tpd": policy.tpd, "streams": policy.streams},
-               "day": usage.day if usage else None, "requests_today": usage.requests if usage else 0,
-               "tokens_today": usage.tokens if usage else 0, "in_flight": usage.in_flight if usage else 0}
+        # the caller's own key only: other keys' names and usage are not its business
+        key: dict[str, Any] = {
+            "name": policy.name, "tokens_counted_by": counted_by,
+            "limits": {"rpm": policy.rpm, "tpm": policy.tpm, "tpd": policy.tpd, "streams": policy.streams},
+            "day": usage.day if usage else None, "requests_today": usage.requests if usage else 0,
+            "tokens_today": usage.tokens if usage else 0, "in_flight": usage.in_flight if usage else 0}
+        if self.key_limits is not None and policy.limited:  # every gateway process's use, from Redis
+            shared_use = await self.key_limits.usage(policy.name)
+            if shared_use is not None:
+                key.update(shared_use)
         await send_json(send, 200, {"audits": "on" if self.config.audits else "off: answers are paid unverified",
                                     "in_flight": self.router.total_in_flight(),
                                     "dispatched": self.upstream.dispatched, "outcomes": dict(self.outcomes),

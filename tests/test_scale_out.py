@@ -136,7 +136,7 @@ async def test_kill_9_of_a_gateway_loses_only_its_own_streams(redis_url: str, al
         await miner.stop()
 
 
-async def _live(r: aioredis.Redis, key: str) -> int:
+async def _live(r: aioredis.Redis, key: str | bytes) -> int:
     """Members of an expiring set not yet expired (on Redis's clock)."""
     sec, usec = await r.time()
     return int(await r.zcount(key, sec * 1000 + usec // 1000, "+inf"))
@@ -328,6 +328,10 @@ async def test_redis_down_the_gateway_serves_on_and_sends_its_measurements_when_
 
             for _ in range(2):
                 await ask()
+            async with s.get(f"http://127.0.0.1:{parts.gateway.port}/v1/status",
+                             headers={"Authorization": "Bearer sk-limited-0123"}) as r:
+                key = (await r.json())["key"]
+            assert (key["requests_today"], key["in_flight"]) == (2, 0)  # every process's use, as Redis counts it
             server.kill()
             for _ in range(8):
                 await ask()

@@ -33,6 +33,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from loguru import logger
 
@@ -193,6 +194,23 @@ class SharedLimits:
                 self._live[token] = ticket
             return ticket
         return _refusal(code, figure, wait, policy, reserve, now)
+
+    async def usage(self, name: str, now: float | None = None) -> dict[str, Any] | None:
+        """Key ``name``'s use today summed over every process (``/v1/status``); None while Redis is away."""
+        day = utc_day(time.time() if now is None else now)
+        keys = self._keys(name, day)
+        if not self.link.usable():
+            return None
+        try:
+            used = await self.link.redis.hgetall(keys[3])
+            sec, usec = await self.link.redis.time()
+            streams = await self.link.redis.zcount(keys[0], sec * 1000 + usec // 1000, "+inf")
+        except (RedisError, OSError) as e:
+            self.link.failed(e)
+            return None
+        self.link.worked()
+        return {"day": day, "requests_today": int(used.get(b"requests", 0)),
+                "tokens_today": int(used.get(b"tokens", 0)), "in_flight": int(streams)}
 
     def settle(self, ticket: SharedTicket | Ticket, used: int, now: float | None = None) -> None:
         """The request ended having used ``used`` tokens (idempotent; sent in the background)."""
