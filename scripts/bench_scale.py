@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-c", type=int, default=16, help="streams for the added-latency measure")
     p.add_argument("--latency-n", type=int, default=300, help="requests for the added-latency measure")
     p.add_argument("--rpm", type=int, default=200, help="the limited key's requests per minute")
+    p.add_argument("--redis-nice", type=int, default=None,
+                   help="run redis-server at this nice level (e.g. -10, as root): does Redis's added latency come "
+                        "from waiting for a core?")
     p.add_argument("--install", action="store_true", help="apt-get install wrk and redis-server if missing")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--smoke", action="store_true", help="seconds, not minutes: tiny numbers")
@@ -164,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-scale-")))
         rport = free_port()
-        redis = stack.enter_context(Child([redis_server, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                                           "--appendonly", "no"], name="redis", log_path=workdir / "redis.log"))
+        nice = ["nice", "-n", str(a.redis_nice)] if a.redis_nice is not None else []
+        redis = stack.enter_context(Child([*nice, redis_server, "--port", str(rport), "--bind", "127.0.0.1", "--save",
+                                           "", "--appendonly", "no"], name="redis", log_path=workdir / "redis.log"))
         wait_port(rport, 10.0, redis)
         redis_url = f"redis://127.0.0.1:{rport}/0"
         v = validator_keypair().ss58_address
