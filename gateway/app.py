@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -69,8 +69,10 @@ from .protocol.tokens import PromptCounter
 from .quota import KeyPolicy, QuotaBook, Refusal, Ticket
 from .relay import Relay, RelayConfig
 from .router import Router
-from .shared.limits import SharedLimits
 from .upstream import Upstream, UpstreamTimeouts
+
+if TYPE_CHECKING:
+    from .shared.limits import SharedLimits
 
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
 _CLOSE_AFTER = frozenset({400, 401, 408, 413, 417, 503})  # refusals after which the connection is not worth keeping

@@ -381,3 +381,22 @@ async def test_a_client_that_leaves_while_admitted_leaves_no_stream_of_its_key_b
         assert isinstance(await limits.admit(policy, 10), SharedTicket)  # its one stream is free again
     finally:
         await link.aclose()
+
+
+async def test_a_batch_sent_again_after_a_failure_is_read_once(redis_url: str) -> None:
+    """Redis may take part of a pipeline whose reply is lost; the publisher sends it all again. Paying a
+    measurement twice would pay the miner twice: the reader keeps one of each."""
+    link, = await _links(redis_url, 1)
+    pub = MeasurementPublisher(link)
+    try:
+        for i in range(3):
+            pub.record(_measurement(i))
+        again = list(pub._buffer)
+        assert await pub.send() == 3
+        pub._buffer.extend(again)  # the same entries, as a retry after a lost reply sends them
+        assert await pub.send() == 3
+        reader = MeasurementReader(link)
+        got = await reader.pull()
+        assert [m.hotkey for m in got] == ["hk0", "hk1", "hk2"] and reader.duplicates == 3
+    finally:
+        await link.aclose()

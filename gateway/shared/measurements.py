@@ -10,6 +10,8 @@ lost. Entries it had read but not acknowledged come back first (the consumer's p
 Redis down: :class:`MeasurementPublisher` keeps measurements in a bounded local buffer (the oldest dropped past
 ``max_buffer``, counted and logged, never silently) and sends them when Redis is back. Publishing never blocks
 nor raises into the serving path: ``record`` appends to the buffer, and a background task sends it in batches.
+A batch that failed is sent again whole, though Redis may have taken part of it: each entry carries its publisher's
+name for it, and the reader drops a name it read lately (the last :data:`SEEN`), so no measurement is paid twice.
 
 Example::
 
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections import deque
+import itertools
+import secrets
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,6 +45,8 @@ from .link import RedisError, RedisLink, woken
 STREAM = "measurements"
 GROUP = "scorer"
 FIELD = b"m"
+ID_FIELD = b"id"  # the publisher's own name for the entry: a batch sent again after a failure is read once
+SEEN = 200_000  # entry names the reader remembers, to drop what a retried batch sent twice
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Measurement)
 
@@ -65,7 +71,9 @@ class MeasurementPublisher:
         self.batch = batch
         self.every_s = every_s
         self.max_stream = max_stream  # entries kept on the stream (approximate trim); the scorer reads far fewer
-        self._buffer: deque[bytes] = deque()
+        self._buffer: deque[tuple[bytes, bytes]] = deque()  # (name, measurement)
+        self._name = secrets.token_hex(6)
+        self._ids = itertools.count()
         self._wake = asyncio.Event()
         self.sent = 0
         self.dropped = 0
@@ -80,7 +88,7 @@ class MeasurementPublisher:
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 logger.warning("measurement buffer full ({} waiting for Redis): {} dropped so far", self.max_buffer,
                                self.dropped)
-        self._buffer.append(encode(m))
+        self._buffer.append((f"{self._name}:{next(self._ids)}".encode(), encode(m)))
         if len(self._buffer) >= self.batch:
             self._wake.set()
 
@@ -96,12 +104,12 @@ class MeasurementPublisher:
         while self._buffer and self.link.usable():
             items = [self._buffer[i] for i in range(min(self.batch, len(self._buffer)))]
             pipe = self.link.redis.pipeline(transaction=False)
-            for raw in items:
-                pipe.xadd(self.key, {FIELD: raw}, maxlen=self.max_stream, approximate=True)
+            for name, raw in items:
+                pipe.xadd(self.key, {ID_FIELD: name, FIELD: raw}, maxlen=self.max_stream, approximate=True)
             try:
                 await pipe.execute()
             except (RedisError, OSError) as e:
-                self.link.failed(e)  # kept: they go when Redis is back (an entry may then go twice: see the reader)
+                self.link.failed(e)  # kept: they go when Redis is back; what had gone is read once (ID_FIELD)
                 break
             self.link.worked()
             for _ in items:
@@ -125,9 +133,11 @@ class MeasurementReader:
         self.consumer = consumer
         self._pending_from: str | None = "0"  # read the pending list after this id; None: read new entries
         self._last = "0"  # the last entry received
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # publishers' entry names lately read
         self._started = False
         self.read = 0
         self.unreadable = 0
+        self.duplicates = 0
 
     async def start(self) -> None:
         try:
@@ -169,10 +179,19 @@ class MeasurementReader:
 
     async def _decoded(self, entries: list[Any]) -> list[Measurement]:
         out: list[Measurement] = []
-        bad: list[str] = []
+        bad: list[str] = []  # acknowledged at once: unreadable, or read before
         for entry_id, fields in entries:
             ref = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
             self._last = ref
+            name = fields.get(ID_FIELD) if isinstance(fields, dict) else None
+            if name is not None:
+                if name in self._seen:  # a batch its publisher sent again after a failure: once is enough
+                    self.duplicates += 1
+                    bad.append(ref)
+                    continue
+                self._seen[name] = None
+                if len(self._seen) > SEEN:
+                    self._seen.popitem(last=False)
             try:
                 m = decode(fields[FIELD])
             except (KeyError, TypeError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as e:
