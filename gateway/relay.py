@@ -322,9 +322,14 @@ class Relay:
             if self.leases is None:
                 return lease
             if lease is None:
-                if not full or loop.time() + FULL_POLL_S > wait_until or self.stopping:
+                if not full:
                     return None
-                await asyncio.sleep(FULL_POLL_S)  # a release elsewhere is seen at the next refresh
+                while True:  # no Redis call until a release shows (the leases' refresh), and one round a poll
+                    if loop.time() + FULL_POLL_S > wait_until or self.stopping:
+                        return None
+                    await asyncio.sleep(FULL_POLL_S)
+                    if self.router.has_room():
+                        break
                 full.clear()
                 continue
             if await self.leases.hold(lease):
