@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -34,41 +35,51 @@ def _router(seed: int = 0) -> Router:
     return r
 
 
-async def _links(url: str, n: int = 2) -> list[RedisLink]:
-    return [RedisLink(url, NS) for _ in range(n)]
+Links = Callable[..., list[RedisLink]]
 
 
-async def test_a_miners_declared_slots_hold_across_processes(redis_url: str) -> None:
-    a_link, b_link = await _links(redis_url)
+@pytest.fixture
+async def links(redis_url: str) -> AsyncIterator[Links]:
+    """``links(n)``: n connections to the test's Redis, as n processes would hold; all closed after the test."""
+    made: list[RedisLink] = []
+
+    def make(n: int = 2) -> list[RedisLink]:
+        new = [RedisLink(redis_url, NS) for _ in range(n)]
+        made.extend(new)
+        return new
+
+    yield make
+    for link in made:
+        await link.aclose()
+
+
+async def test_a_miners_declared_slots_hold_across_processes(links: Links) -> None:
+    a_link, b_link = links()
     a, b = _router(1), _router(2)
     la, lb = SharedLeases(a_link, a, name="a"), SharedLeases(b_link, b, name="b")
-    try:
-        held = []
-        for router, leases in ((a, la), (b, lb)):  # one each on uid 1: its two slots
-            lease = router.acquire_uid(1)
-            assert lease is not None and await leases.hold(lease)
-            held.append((router, lease))
-        assert held[1][1].in_flight_at_dispatch == 1  # the other process's stream counts at dispatch
-        third = a.acquire_uid(1)
-        assert third is not None and not await la.hold(third)  # full subnet-wide
-        a.release(third)
-        assert a.get(1).elsewhere == 1  # type: ignore[union-attr]  # the refusal told A what B holds
-        # what A's router picks now: uid 2 only (uid 1 is full subnet-wide)
-        assert {a.pick().uid for _ in range(20)} == {2}  # type: ignore[union-attr]
-        router, lease = held[1]
-        router.release(lease, served=True)  # B's release is mirrored in the background
-        await lb.flush()
-        await la.refresh()
-        assert a.get(1).elsewhere == 0  # type: ignore[union-attr]
-        again = a.acquire_uid(1)
-        assert again is not None and await la.hold(again)
-    finally:
-        for link in (a_link, b_link):
-            await link.aclose()
+    held = []
+    for router, leases in ((a, la), (b, lb)):  # one each on uid 1: its two slots
+        lease = router.acquire_uid(1)
+        assert lease is not None and await leases.hold(lease)
+        held.append((router, lease))
+    assert held[1][1].in_flight_at_dispatch == 1  # the other process's stream counts at dispatch
+    third = a.acquire_uid(1)
+    assert third is not None and not await la.hold(third)  # full subnet-wide
+    a.release(third)
+    assert a.get(1).elsewhere == 1  # type: ignore[union-attr]  # the refusal told A what B holds
+    # what A's router picks now: uid 2 only (uid 1 is full subnet-wide)
+    assert {a.pick().uid for _ in range(20)} == {2}  # type: ignore[union-attr]
+    router, lease = held[1]
+    router.release(lease, served=True)  # B's release is mirrored in the background
+    await lb.flush()
+    await la.refresh()
+    assert a.get(1).elsewhere == 0  # type: ignore[union-attr]
+    again = a.acquire_uid(1)
+    assert again is not None and await la.hold(again)
 
 
-async def test_a_dead_processs_leases_expire_and_a_live_ones_are_renewed(redis_url: str) -> None:
-    a_link, b_link = await _links(redis_url)
+async def test_a_dead_processs_leases_expire_and_a_live_ones_are_renewed(links: Links) -> None:
+    a_link, b_link = links()
     a, b = _router(), _router()
     dead = SharedLeases(a_link, a, name="dead", ttl_s=1.0)
     live = SharedLeases(b_link, b, name="live", ttl_s=1.0, refresh_s=0.05)
@@ -87,32 +98,26 @@ async def test_a_dead_processs_leases_expire_and_a_live_ones_are_renewed(redis_u
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
-        for link in (a_link, b_link):
-            await link.aclose()
 
 
-async def test_decode_concurrency_counts_every_process_delivering_streams(redis_url: str) -> None:
-    a_link, b_link = await _links(redis_url)
+async def test_decode_concurrency_counts_every_process_delivering_streams(links: Links) -> None:
+    a_link, b_link = links()
     a, b = _router(), _router()
     la, lb = SharedLeases(a_link, a, name="a"), SharedLeases(b_link, b, name="b")
-    try:
-        lease = b.acquire_uid(1)
-        assert lease is not None and await lb.hold(lease)
-        lease.start_delivering()
-        await lb.flush()
-        await la.refresh()
-        m = a.get(1)
-        assert m is not None and (m.elsewhere, m.elsewhere_delivering) == (1, 1)
-        b.release(lease)
-        await lb.flush()
-        await la.refresh()
-        assert (m.elsewhere, m.elsewhere_delivering) == (0, 0)
-    finally:
-        for link in (a_link, b_link):
-            await link.aclose()
+    lease = b.acquire_uid(1)
+    assert lease is not None and await lb.hold(lease)
+    lease.start_delivering()
+    await lb.flush()
+    await la.refresh()
+    m = a.get(1)
+    assert m is not None and (m.elsewhere, m.elsewhere_delivering) == (1, 1)
+    b.release(lease)
+    await lb.flush()
+    await la.refresh()
+    assert (m.elsewhere, m.elsewhere_delivering) == (0, 0)
 
 
-async def test_redis_down_routes_on_local_counts_and_says_so_once(caplog: Any) -> None:
+async def test_redis_down_routes_on_local_counts_and_says_so_once() -> None:
     link = RedisLink(f"redis://127.0.0.1:{free_port()}/0", NS, timeout_s=0.2, retry_s=30.0)
     r = _router()
     leases = SharedLeases(link, r)
@@ -126,61 +131,53 @@ async def test_redis_down_routes_on_local_counts_and_says_so_once(caplog: Any) -
         await link.aclose()
 
 
-async def test_key_limits_hold_across_processes(redis_url: str) -> None:
-    a_link, b_link = await _links(redis_url)
+async def test_key_limits_hold_across_processes(links: Links) -> None:
+    a_link, b_link = links()
     a, b = SharedLimits(a_link, QuotaBook(), share=2), SharedLimits(b_link, QuotaBook(), share=2)
     policy = KeyPolicy("alice", rpm=6)
-    try:
-        got = [await (a if i % 2 else b).admit(policy, 10) for i in range(8)]
-        admitted = [g for g in got if isinstance(g, SharedTicket)]
-        refused = [g for g in got if isinstance(g, Refusal)]
-        assert len(admitted) == 6 and len(refused) == 2
-        assert refused[0].limit == "requests per minute" and 1 <= refused[0].retry_after_s <= 60
-        streams = KeyPolicy("bob", streams=2)
-        t1, t2 = await a.admit(streams, 1), await b.admit(streams, 1)
-        assert isinstance(t1, SharedTicket) and isinstance(t2, SharedTicket)
-        third = await a.admit(streams, 1)
-        assert isinstance(third, Refusal) and third.limit == "concurrent streams"
-        b.settle(t2, 1)
-        await b.flush()
-        assert isinstance(await a.admit(streams, 1), SharedTicket)
-    finally:
-        for link in (a_link, b_link):
-            await link.aclose()
+    got = [await (a if i % 2 else b).admit(policy, 10) for i in range(8)]
+    admitted = [g for g in got if isinstance(g, SharedTicket)]
+    refused = [g for g in got if isinstance(g, Refusal)]
+    assert len(admitted) == 6 and len(refused) == 2
+    assert refused[0].limit == "requests per minute" and 1 <= refused[0].retry_after_s <= 60
+    streams = KeyPolicy("bob", streams=2)
+    t1, t2 = await a.admit(streams, 1), await b.admit(streams, 1)
+    assert isinstance(t1, SharedTicket) and isinstance(t2, SharedTicket)
+    third = await a.admit(streams, 1)
+    assert isinstance(third, Refusal) and third.limit == "concurrent streams"
+    b.settle(t2, 1)
+    await b.flush()
+    assert isinstance(await a.admit(streams, 1), SharedTicket)
 
 
-async def test_token_limits_charge_the_reservation_then_what_was_used(redis_url: str) -> None:
-    a_link, b_link = await _links(redis_url)
+async def test_token_limits_charge_the_reservation_then_what_was_used(links: Links) -> None:
+    a_link, b_link = links()
     a, b = SharedLimits(a_link, QuotaBook()), SharedLimits(b_link, QuotaBook())
     policy = KeyPolicy("carol", tpm=1000, tpd=1500)
-    try:
-        t = await a.admit(policy, 800)
-        assert isinstance(t, SharedTicket)
-        over = await b.admit(policy, 300)  # 800 reserved elsewhere: 1,100 > 1,000 a minute
-        assert isinstance(over, Refusal) and over.limit == "tokens per minute"
-        a.settle(t, 100)  # it used 100: 700 back in the minute and the day
-        await a.flush()
-        t2 = await b.admit(policy, 300)
-        assert isinstance(t2, SharedTicket)
-        b.settle(t2, 300)
-        await b.flush()
-        fill = await a.admit(policy, 600)  # 400 + 600: the minute exactly full
-        assert isinstance(fill, SharedTicket)
-        one_more = await b.admit(policy, 1)
-        assert isinstance(one_more, Refusal) and one_more.limit == "tokens per minute"
-        daily = KeyPolicy("frank", tpd=1000)
-        first = await a.admit(daily, 700)
-        assert isinstance(first, SharedTicket)
-        refused = await b.admit(daily, 400)
-        assert isinstance(refused, Refusal) and refused.limit == "tokens per day" and refused.retry_after_s >= 1
-        a.settle(first, 200)  # used 200 of its 700: the day has 800 left
-        await a.flush()
-        assert isinstance(await b.admit(daily, 400), SharedTicket)
-        too_big = await b.admit(policy, 1001)
-        assert isinstance(too_big, Refusal) and "more than the 1000 a minute allows" in too_big.detail
-    finally:
-        for link in (a_link, b_link):
-            await link.aclose()
+    t = await a.admit(policy, 800)
+    assert isinstance(t, SharedTicket)
+    over = await b.admit(policy, 300)  # 800 reserved elsewhere: 1,100 > 1,000 a minute
+    assert isinstance(over, Refusal) and over.limit == "tokens per minute"
+    a.settle(t, 100)  # it used 100: 700 back in the minute and the day
+    await a.flush()
+    t2 = await b.admit(policy, 300)
+    assert isinstance(t2, SharedTicket)
+    b.settle(t2, 300)
+    await b.flush()
+    fill = await a.admit(policy, 600)  # 400 + 600: the minute exactly full
+    assert isinstance(fill, SharedTicket)
+    one_more = await b.admit(policy, 1)
+    assert isinstance(one_more, Refusal) and one_more.limit == "tokens per minute"
+    daily = KeyPolicy("frank", tpd=1000)
+    first = await a.admit(daily, 700)
+    assert isinstance(first, SharedTicket)
+    refused = await b.admit(daily, 400)
+    assert isinstance(refused, Refusal) and refused.limit == "tokens per day" and refused.retry_after_s >= 1
+    a.settle(first, 200)  # used 200 of its 700: the day has 800 left
+    await a.flush()
+    assert isinstance(await b.admit(daily, 400), SharedTicket)
+    too_big = await b.admit(policy, 1001)
+    assert isinstance(too_big, Refusal) and "more than the 1000 a minute allows" in too_big.detail
 
 
 async def test_redis_down_admits_a_local_share_of_each_limit() -> None:
@@ -205,29 +202,25 @@ def _measurement(i: int, *, answer: bool = False) -> Measurement:
                        failure=None if i % 4 else FailureReason.DROPPED, concurrency=1.0, answer=kept)
 
 
-async def test_measurements_reach_the_scorer_whole_and_unacknowledged_ones_come_back(redis_url: str) -> None:
-    pub_link, scorer_link, again_link = await _links(redis_url, 3)
+async def test_measurements_reach_the_scorer_whole_and_unacknowledged_ones_come_back(links: Links) -> None:
+    pub_link, scorer_link, again_link = links(3)
     pub = MeasurementPublisher(pub_link)
     sent = [_measurement(i, answer=i % 2 == 0) for i in range(30)]
-    try:
-        for m in sent:
-            pub.record(m)
-        assert await pub.send() == 30
-        first = MeasurementReader(scorer_link)
-        got = await first.pull()
-        assert got == sent and [m.answer for m in got] == [m.answer for m in sent]  # answers travel for the audit
-        assert all(m.ref for m in got)
-        assert await first.ack([m.ref for m in got[:10] if m.ref])  # the round holding these was saved
-        # the scorer dies before saving the rest; its successor reads exactly those again, then new ones
-        late = _measurement(99)
-        pub.record(late)
-        await pub.send()
-        second = MeasurementReader(again_link)
-        assert await second.pull() == [*sent[10:], late]
-        assert await second.pull() == []
-    finally:
-        for link in (pub_link, scorer_link, again_link):
-            await link.aclose()
+    for m in sent:
+        pub.record(m)
+    assert await pub.send() == 30
+    first = MeasurementReader(scorer_link)
+    got = await first.pull()
+    assert got == sent and [m.answer for m in got] == [m.answer for m in sent]  # answers travel for the audit
+    assert all(m.ref for m in got)
+    assert await first.ack([m.ref for m in got[:10] if m.ref])  # the round holding these was saved
+    # the scorer dies before saving the rest; its successor reads exactly those again, then new ones
+    late = _measurement(99)
+    pub.record(late)
+    await pub.send()
+    second = MeasurementReader(again_link)
+    assert await second.pull() == [*sent[10:], late]
+    assert await second.pull() == []
 
 
 async def test_redis_down_measurements_wait_in_a_bounded_buffer_and_go_when_it_is_back() -> None:
@@ -252,58 +245,50 @@ async def test_redis_down_measurements_wait_in_a_bounded_buffer_and_go_when_it_i
         server.kill()
 
 
-async def test_garbage_on_the_stream_is_skipped_not_fatal(redis_url: str) -> None:
-    link, = await _links(redis_url, 1)
-    try:
-        pub = MeasurementPublisher(link)
-        pub.record(_measurement(1))
-        await pub.send()
-        await link.redis.xadd(pub.key, {b"m": b"\x00not msgpack"})
-        await link.redis.xadd(pub.key, {b"other": b"x"})
-        pub.record(_measurement(2))
-        await pub.send()
-        reader = MeasurementReader(link)
-        got = await reader.pull()
-        assert [m.hotkey for m in got] == ["hk1", "hk2"] and reader.unreadable == 2
-    finally:
-        await link.aclose()
+async def test_garbage_on_the_stream_is_skipped_not_fatal(links: Links) -> None:
+    link, = links(1)
+    pub = MeasurementPublisher(link)
+    pub.record(_measurement(1))
+    await pub.send()
+    await link.redis.xadd(pub.key, {b"m": b"\x00not msgpack"})
+    await link.redis.xadd(pub.key, {b"other": b"x"})
+    pub.record(_measurement(2))
+    await pub.send()
+    reader = MeasurementReader(link)
+    got = await reader.pull()
+    assert [m.hotkey for m in got] == ["hk1", "hk2"] and reader.unreadable == 2
 
 
-async def test_gateways_route_by_the_view_the_scorer_publishes(redis_url: str) -> None:
-    pub_link, sub_link = await _links(redis_url)
+async def test_gateways_route_by_the_view_the_scorer_publishes(links: Links) -> None:
+    pub_link, sub_link = links()
     scorer, gateway = _router(), Router(rng=random.Random(3))
-    try:
-        scorer.set_scores({"hk-a": 0.9, "hk-b": 0.0})
-        scorer.set_quarantined({"hk-b"})
-        a = scorer.get(1)
-        assert a is not None
-        scorer.learn_offer(a, frozenset({"org/m"}), frozenset({"tools"}))
-        assert await publish(pub_link, view(scorer))
-        follower = RoutingFollower(sub_link, gateway)
-        assert await follower.follow_once() and not await follower.follow_once()  # applied once, then unchanged
-        ga, gb = gateway.get(1), gateway.get(2)
-        assert ga is not None and gb is not None
-        assert (ga.score, ga.models, ga.features, gb.quarantined) == (0.9, frozenset({"org/m"}),
-                                                                      frozenset({"tools"}), True)
-        assert gateway.routable() == 1
-    finally:
-        for link in (pub_link, sub_link):
-            await link.aclose()
+    scorer.set_scores({"hk-a": 0.9, "hk-b": 0.0})
+    scorer.set_quarantined({"hk-b"})
+    a = scorer.get(1)
+    assert a is not None
+    scorer.learn_offer(a, frozenset({"org/m"}), frozenset({"tools"}))
+    assert await publish(pub_link, view(scorer))
+    follower = RoutingFollower(sub_link, gateway)
+    assert await follower.follow_once() and not await follower.follow_once()  # applied once, then unchanged
+    ga, gb = gateway.get(1), gateway.get(2)
+    assert ga is not None and gb is not None
+    assert (ga.score, ga.models, ga.features, gb.quarantined) == (0.9, frozenset({"org/m"}),
+                                                                  frozenset({"tools"}), True)
+    assert gateway.routable() == 1
 
 
-@pytest.mark.parametrize("n", [2])
-async def test_relay_waits_for_room_when_other_processes_fill_every_slot(redis_url: str, n: int) -> None:
+async def test_relay_waits_for_room_when_other_processes_fill_every_slot(links: Links) -> None:
     """The relay's lease step: every miner full elsewhere, the request waits (bounded) and then gets one."""
     from gateway.relay import Relay, RelayConfig
 
-    a_link, b_link = await _links(redis_url)
+    a_link, b_link = links()
     a, b = _router(), _router()
     la, lb = SharedLeases(a_link, a, name="a", refresh_s=0.05), SharedLeases(b_link, b, name="b")
     runner = asyncio.create_task(la.run())
     try:
         held = []
         for uid in (1, 2):
-            for _ in range(n):
+            for _ in range(2):  # each miner's two slots
                 lease = b.acquire_uid(uid)
                 assert lease is not None and await lb.hold(lease)
                 held.append(lease)
@@ -325,78 +310,64 @@ async def test_relay_waits_for_room_when_other_processes_fill_every_slot(redis_u
     finally:
         runner.cancel()
         await asyncio.gather(runner, return_exceptions=True)
-        for link in (a_link, b_link):
-            await link.aclose()
 
 
-async def test_a_client_that_leaves_while_its_lease_is_taken_leaves_no_lease_behind(redis_url: str) -> None:
+def _slow_reply(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` (a Redis script) whose answer comes back 50 ms after the script ran: the network, slowed down."""
+    async def slow(**kw: Any) -> Any:
+        got = await call(**kw)
+        await asyncio.sleep(0.05)
+        return got
+
+    return slow
+
+
+async def test_a_client_that_leaves_while_its_lease_is_taken_leaves_no_lease_behind(links: Links) -> None:
     """Cancelled after the script ran but before its answer came back (the slow reply stands in for the network):
     the lease the script added is given back, not left to hold a slot until it expires."""
-    link, = await _links(redis_url, 1)
+    link, = links(1)
     r = _router()
     leases = SharedLeases(link, r, name="a")
-    take = leases._take
-
-    async def slow_reply(**kw: Any) -> Any:
-        got = await take(**kw)
-        await asyncio.sleep(0.05)
-        return got
-
-    leases._take = slow_reply  # type: ignore[assignment]
-    try:
-        for _ in range(3):
-            lease = r.acquire_uid(1)
-            assert lease is not None
-            task = asyncio.create_task(leases.hold(lease))
-            await asyncio.sleep(0.02)  # the script has run; its answer is "on the way"
-            assert await link.redis.zcard(link.key("lease", "hk-a")) == 1
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            r.release(lease)
-            await leases.flush()
-            assert await link.redis.zcard(link.key("lease", "hk-a")) == 0
-    finally:
-        await link.aclose()
-
-
-async def test_a_client_that_leaves_while_admitted_leaves_no_stream_of_its_key_behind(redis_url: str) -> None:
-    link, = await _links(redis_url, 1)
-    limits = SharedLimits(link, QuotaBook())
-    admit = limits._admit
-
-    async def slow_reply(**kw: Any) -> Any:
-        got = await admit(**kw)
-        await asyncio.sleep(0.05)
-        return got
-
-    limits._admit = slow_reply  # type: ignore[assignment]
-    policy = KeyPolicy("gina", streams=1)
-    try:
-        task = asyncio.create_task(limits.admit(policy, 10))
-        await asyncio.sleep(0.02)
+    leases._take = _slow_reply(leases._take)  # type: ignore[assignment]
+    for _ in range(3):
+        lease = r.acquire_uid(1)
+        assert lease is not None
+        task = asyncio.create_task(leases.hold(lease))
+        await asyncio.sleep(0.02)  # the script has run; its answer is "on the way"
+        assert await link.redis.zcard(link.key("lease", "hk-a")) == 1
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await limits.flush()
-        limits._admit = admit
-        assert isinstance(await limits.admit(policy, 10), SharedTicket)  # its one stream is free again
-    finally:
-        await link.aclose()
+        r.release(lease)
+        await leases.flush()
+        assert await link.redis.zcard(link.key("lease", "hk-a")) == 0
 
 
-async def test_a_batch_sent_again_after_a_failure_is_read_once(redis_url: str) -> None:
+async def test_a_client_that_leaves_while_admitted_leaves_no_stream_of_its_key_behind(links: Links) -> None:
+    link, = links(1)
+    limits = SharedLimits(link, QuotaBook())
+    admit = limits._admit
+    limits._admit = _slow_reply(admit)  # type: ignore[assignment]
+    policy = KeyPolicy("gina", streams=1)
+    task = asyncio.create_task(limits.admit(policy, 10))
+    await asyncio.sleep(0.02)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await limits.flush()
+    limits._admit = admit
+    assert isinstance(await limits.admit(policy, 10), SharedTicket)  # its one stream is free again
+
+
+async def test_a_batch_sent_again_after_a_failure_is_read_once(links: Links) -> None:
     """Redis may take part of a pipeline whose reply is lost; the publisher sends it all again. Paying a
     measurement twice would pay the miner twice: the reader keeps one of each."""
-    link, = await _links(redis_url, 1)
+    link, = links(1)
     pub = MeasurementPublisher(link)
-    try:
-        for i in range(3):
-            pub.record(_measurement(i))
-        again = list(pub._buffer)
-        assert await pub.send() == 3
-        pub._buffer.extend(again)  # the same entries, as a retry after a lost reply sends them
-        assert await pub.send() == 3
-        reader = MeasurementReader(link)
-        got = await reader.pull()
-        assert [m.hotkey for m in got] == ["hk0", "hk1", "hk2"] and reader.duplicates == 3
-    finally:
-        await link.aclose()
+    for i in range(3):
+        pub.record(_measurement(i))
+    again = list(pub._buffer)
+    assert await pub.send() == 3
+    pub._buffer.extend(again)  # the same entries, as a retry after a lost reply sends them
+    assert await pub.send() == 3
+    reader = MeasurementReader(link)
+    got = await reader.pull()
+    assert [m.hotkey for m in got] == ["hk0", "hk1", "hk2"] and reader.duplicates == 3
