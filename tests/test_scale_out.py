@@ -359,3 +359,37 @@ async def test_redis_down_the_gateway_serves_on_and_sends_its_measurements_when_
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
         server.kill()
+
+
+def test_a_worker_whose_validator_was_killed_stops(redis_url: str, tmp_path: Path) -> None:
+    """kill -9 of the validator: its gateway worker stops by itself (it never serves with no one scoring)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "neurons.validator", "--local", "--gateway.workers", "2",
+                             "--redis.url", redis_url, "--gateway.port", str(port), "--state-dir",
+                             str(tmp_path / "state")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def worker_pid() -> int | None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            end = time.monotonic() + 90
+            while time.monotonic() < end and proc.poll() is None:
+                h = await _health(s, port)
+                if h is not None and int(h["pid"]) != proc.pid:
+                    return int(h["pid"])
+                await asyncio.sleep(0.05)
+        return None
+
+    try:
+        worker = asyncio.run(worker_pid())
+        assert worker is not None, "no worker answered"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        end = time.monotonic() + 15
+        while time.monotonic() < end and Path(f"/proc/{worker}").exists():
+            time.sleep(0.1)
+        gone = not Path(f"/proc/{worker}").exists()
+        if not gone:
+            os.kill(worker, signal.SIGKILL)
+        assert gone, "the worker outlived its validator"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -49,14 +49,15 @@ def main() -> int:
         gateway = asyncio.create_task(run_gateway(cfg, worker_keypair(cfg), api_keys=spec.get("api_keys"),
                                                   on_ready=ready))
         orphaned = asyncio.create_task(_parent_gone(int(spec.get("parent", os.getppid()))))
-        done, _ = await asyncio.wait({gateway, orphaned}, return_when=asyncio.FIRST_COMPLETED)
-        if orphaned in done:  # the validator died (kill -9): stop as on SIGTERM, never serve without its scorer
-            gateway.cancel()
-        else:
+        try:  # until the gateway ends, SIGTERM stops this task, or the validator died (kill -9): never serve alone
+            await asyncio.wait({gateway, orphaned}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
             orphaned.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            return await gateway
-        return 0
+            if not gateway.done():
+                gateway.cancel()  # it drains its streams and sends its last measurements before it ends
+            with contextlib.suppress(asyncio.CancelledError):
+                await gateway
+        return 0 if gateway.cancelled() else gateway.result()
 
     try:
         return asyncio.run(_until_stopped(run()))
