@@ -95,8 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _need(binary: str, install: bool) -> str:
     found = shutil.which(binary)
     if found is None and install:
-        subprocess.run(["apt-get", "install", "-y", "-qq", binary if binary != "redis-server" else "redis-server"],
-                       check=False, stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-qq", binary], check=False, stdout=subprocess.DEVNULL)
         found = shutil.which(binary)
     if found is None:
         raise SystemExit(f"{binary} is needed: apt-get install -y {binary} (or run with --install)")

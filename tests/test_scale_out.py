@@ -22,11 +22,11 @@ from gateway.shared.link import RedisLink
 from gateway.shared.measurements import MeasurementPublisher, MeasurementReader
 from gateway.shared.routing import publish, view
 from neurons.keys import dev_keypair
-from neurons.validator.build import build_validator, shared_namespace
+from neurons.validator.build import build_parts, build_validator, shared_namespace
 from neurons.validator.config import ValidatorConfig
 from scoring.measurement import Measurement
 from tests.fakes import MODEL, FakeMiner, Script
-from tests.redis_server import free_port
+from tests.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ALICE = dev_keypair("Alice").ss58_address
@@ -302,10 +302,6 @@ async def test_redis_down_the_gateway_serves_on_and_sends_its_measurements_when_
         make_miner: Any, alice: Keypair, tmp_path: Path) -> None:
     """Redis killed under a gateway: requests are still routed (local counts) and served, a limited key gets its
     local share of each limit, measurements wait in the buffer; Redis back: they all reach the scorer. Said once."""
-    from gateway.router import Candidate
-    from neurons.validator.build import build_parts
-    from tests.redis_server import RedisServer
-
     server = RedisServer().start()
     miner = await make_miner(Script("ok", tokens=4), slots=4)
     keys = tmp_path / "keys.txt"

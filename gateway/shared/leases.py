@@ -34,13 +34,11 @@ from collections import Counter
 from loguru import logger
 
 from ..router import Lease, Router
-from .link import RedisError, RedisLink, woken
+from .link import NOW_MS, RENEW, RedisError, RedisLink, interrupted, woken
 
 # KEYS: the miner's lease set; ARGV: member, slots, ttl ms.
 # Returns the miner's leases before this one, or -1 - that count when its slots are all held.
-_TAKE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_TAKE = NOW_MS + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local n = redis.call('ZCARD', KEYS[1])
 if n >= tonumber(ARGV[2]) then return -1 - n end
@@ -49,23 +47,8 @@ redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[3]))
 return n
 """
 
-# KEYS: sets; ARGV: ttl ms, then one member per key. Renews members still there (XX), or adds them (ARGV add="1").
-_RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[1])
-for i, k in ipairs(KEYS) do
-  if ARGV[2] == '1' then redis.call('ZADD', k, now + ttl, ARGV[i + 2])
-  else redis.call('ZADD', k, 'XX', now + ttl, ARGV[i + 2]) end
-  redis.call('PEXPIRE', k, 2 * ttl)
-end
-return #KEYS
-"""
-
 # KEYS: sets; returns each one's live members, expired ones removed.
-_COUNT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+_COUNT = NOW_MS + """
 local out = {}
 for i, k in ipairs(KEYS) do
   redis.call('ZREMRANGEBYSCORE', k, '-inf', now)
@@ -86,7 +69,7 @@ class SharedLeases:
         self.ttl_ms = max(1000, int(ttl_s * 1000))
         self.refresh_s = refresh_s
         self._take = link.redis.register_script(_TAKE)
-        self._renew = link.redis.register_script(_RENEW)
+        self._renew = link.redis.register_script(RENEW)
         self._count = link.redis.register_script(_COUNT)
         self._ids = itertools.count()
         self._mine: dict[str, Lease] = {}  # token -> live lease this process holds in Redis
@@ -111,9 +94,7 @@ class SharedLeases:
             n = int(await self._take(keys=[self._keys(m.hotkey)[0]],
                                      args=[token, m.slots, self.ttl_ms]))
         except (asyncio.CancelledError, RedisError, OSError) as e:
-            task = asyncio.current_task()
-            if isinstance(e, asyncio.CancelledError) or (task is not None and task.cancelling()):
-                # the client left while we asked: the script may have run, so give its place back
+            if interrupted(e):  # the client left while we asked: the script may have run, so give its place back
                 self._ops.append(("rel", m.hotkey, token))
                 self._wake.set()
                 raise asyncio.CancelledError from None

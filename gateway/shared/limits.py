@@ -38,14 +38,12 @@ from typing import Any
 from loguru import logger
 
 from ..quota import DAY_S, KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
-from .link import RedisError, RedisLink, woken
+from .link import NOW_MS, RENEW, RedisError, RedisLink, interrupted, woken
 
 # KEYS: streams zset, rpm hash, tpm hash, day hash. ARGV: streams, rpm, tpm, tpd (-1: none), reserve, ticket, ttl ms.
 # Returns {0, second} when admitted; {code, figure, wait s} when not (1 streams, 2 rpm, 3 tpm, 4 tpd, 5 too big).
-_ADMIT = """
-local t = redis.call('TIME')
+_ADMIT = NOW_MS + """
 local sec = tonumber(t[1])
-local now = sec * 1000 + math.floor(tonumber(t[2]) / 1000)
 local streams, rpm, tpm, tpd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local reserve, ttl = tonumber(ARGV[5]), tonumber(ARGV[7])
 local function window(key)
@@ -106,17 +104,6 @@ end
 return 1
 """
 
-# KEYS: streams zsets; ARGV: ttl ms, then one member per key, renewed while still there.
-_RENEW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for i, k in ipairs(KEYS) do
-  redis.call('ZADD', k, 'XX', now + tonumber(ARGV[1]), ARGV[i + 1])
-  redis.call('PEXPIRE', k, 2 * tonumber(ARGV[1]))
-end
-return #KEYS
-"""
-
 _LIMITS = {1: "concurrent streams", 2: "requests per minute", 3: "tokens per minute", 4: "tokens per day",
            5: "tokens per minute"}
 
@@ -144,7 +131,7 @@ class SharedLimits:
         self.ttl_ms = max(1000, int(ttl_s * 1000))
         self._admit = link.redis.register_script(_ADMIT)
         self._settle = link.redis.register_script(_SETTLE)
-        self._renew = link.redis.register_script(_RENEW)
+        self._renew = link.redis.register_script(RENEW)
         self._name = secrets.token_hex(4)
         self._ids = itertools.count()
         self._live: dict[str, SharedTicket] = {}  # tickets holding a stream, renewed while they run
@@ -177,8 +164,7 @@ class SharedLimits:
             code, figure, wait = (int(x) for x in await self._admit(
                 keys=self._keys(policy.name, day), args=[*args, reserve, token, self.ttl_ms]))
         except (asyncio.CancelledError, RedisError, OSError) as e:
-            task = asyncio.current_task()
-            if isinstance(e, asyncio.CancelledError) or (task is not None and task.cancelling()):
+            if interrupted(e):
                 # the client left while we asked: a stream the script may have taken is given back (what it
                 # charged stays: at most one request's reservation, against the key)
                 self._settles.append((SharedTicket(policy.name, reserve, 0, day, token, streams=True), 0))
@@ -237,7 +223,7 @@ class SharedLimits:
                 if loop.time() >= renew_at and self._live:
                     live = list(self._live.values())
                     await self._renew(keys=[self._keys(t.key, t.day)[0] for t in live],
-                                      args=[self.ttl_ms, *(t.token for t in live)])
+                                      args=[self.ttl_ms, "0", *(t.token for t in live)])
                     renew_at = loop.time() + self.ttl_ms / 3000
             except (RedisError, OSError) as e:
                 self.link.failed(e)

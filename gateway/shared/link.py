@@ -26,7 +26,33 @@ import redis.asyncio as aioredis
 from loguru import logger
 from redis.exceptions import RedisError
 
-__all__ = ["RedisError", "RedisLink", "stop_if_cancelled", "woken"]
+__all__ = ["NOW_MS", "RENEW", "RedisError", "RedisLink", "interrupted", "stop_if_cancelled", "woken"]
+
+# The Lua every expiring set's script starts with: ``now`` in milliseconds on Redis's own clock (``t``: TIME), so the
+# gateways' clocks never decide when a lease or a key's stream expires.
+NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: expiring sets; ARGV: ttl ms, "1" to add the members or "0" to renew only those still there (XX), then one
+# member per key. Both the miners' leases and the keys' streams are renewed by it.
+RENEW = NOW_MS + """
+local ttl = tonumber(ARGV[1])
+for i, k in ipairs(KEYS) do
+  if ARGV[2] == '1' then redis.call('ZADD', k, now + ttl, ARGV[i + 2])
+  else redis.call('ZADD', k, 'XX', now + ttl, ARGV[i + 2]) end
+  redis.call('PEXPIRE', k, 2 * ttl)
+end
+return #KEYS
+"""
+
+
+def interrupted(e: BaseException) -> bool:
+    """Whether ``e`` (from a Redis call) is, or hides, this task's cancellation: what the call may have done in
+    Redis must then be given back by the caller, and the cancellation go on."""
+    task = asyncio.current_task()
+    return isinstance(e, asyncio.CancelledError) or (task is not None and task.cancelling() > 0)
 
 
 def stop_if_cancelled() -> None:
