@@ -11,6 +11,9 @@ proxies not under test are SIGSTOPped meanwhile (an idle LiteLLM keeps burning C
   miner, exactly the miner-side work a gateway request causes: the gateway's own floor;
 * ``pyrelay`` — a bare asyncio relay (``bench_lib/bare_relay.py``: httptools, pooled upstreams, each read
   written back from the read callback, nothing else): the least any CPython asyncio proxy adds here;
+* ``pymeter`` — the same relay with the per-token work no gateway can skip, still in the read callback: each read
+  through the gateway's own stream meter and re-framed for the client (``bare_relay.py --meter``), nothing
+  per request. The floor of a gateway whose relay ran in ``asyncio.Protocol`` callbacks;
 * ``nginx``   — Debian's nginx, ``least_conn``, ``proxy_buffering off``, keep-alive upstreams;
 * ``litellm`` — the LiteLLM proxy from PyPI (own venv in ``.bench/``), least-busy over the same ports;
 * ``gateway`` — this project's gateway in its own process, real routing, btauth signing (verified by
@@ -69,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +88,8 @@ from bench_lib.stats import percentile, table, verdict  # noqa: E402
 from gateway.protocol.signing import RequestSigner  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ALL_PATHS = ("direct", "signed", "pyrelay", "nginx", "litellm", "gateway", "baseline")
+ALL_PATHS = ("direct", "signed", "pyrelay", "pymeter", "nginx", "litellm", "gateway", "baseline")
+RELAYS = {"pyrelay": [], "pymeter": ["--meter"]}  # bare_relay.py's arguments per path
 # measured over signed direct (their miners check btauth)
 GATEWAYS = ("gateway", "baseline")
 TARGET_C = 64
@@ -158,7 +163,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.concurrency = "1,4" if a.concurrency == p.get_default("concurrency") else a.concurrency
         a.requests = a.requests or 12
         a.warmup = min(a.warmup, 2)
-        a.tokens, a.ttft_ms, a.interval_ms = "4", 10.0, 2.0
+        a.ttft_ms, a.interval_ms = 10.0, 2.0
+        a.tokens = "4" if a.tokens == p.get_default("tokens") else a.tokens
         if a.paths == p.get_default("paths"):
             a.paths = "direct,signed,pyrelay,nginx,gateway"  # LiteLLM takes ~10 s to boot: ask for it explicitly
     a.path_list = [x.strip() for x in a.paths.split(",") if x.strip()]
@@ -216,9 +222,9 @@ def start_paths(a: argparse.Namespace, stack: ExitStack,
         elif name == "signed":
             urls = [f"http://127.0.0.1:{p}{chat}" for p in ports]
             out[name] = Path_(name, urls, {}, None, sign=_btauth_signer(dict(zip(urls, info["hotkeys"], strict=True))))
-        elif name == "pyrelay":
-            argv = [py, str(HERE / "bench_lib" / "bare_relay.py"), "--ports", ",".join(map(str, ports))]
-            relay = stack.enter_context(Child(argv, name="pyrelay", log_path=workdir / "pyrelay.log"))
+        elif name in RELAYS:
+            argv = [py, str(HERE / "bench_lib" / "bare_relay.py"), "--ports", ",".join(map(str, ports)), *RELAYS[name]]
+            relay = stack.enter_context(Child(argv, name=name, log_path=workdir / f"{name}.log"))
             r = relay.wait_ready()
             out[name] = Path_(name, [f"http://127.0.0.1:{r['port']}{chat}"], {}, relay.pid)
         elif name == "nginx":
@@ -453,22 +459,57 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     exit_on_signals()
     rc = 0
+    cpu: dict[int, dict[tuple[str, int], float]] = {}  # answer length -> (path, concurrency) -> CPU ms a request
+    # Once, before the first run pins this process to the clients' CPUs (a layout taken after that found one CPU,
+    # and the next answer length ran every process on it).
+    layout = cpu_layout(a.layout)
     for tokens in a.token_list:  # the whole run once per answer length, each with its own fake miners' schedule
-        one = argparse.Namespace(**{**vars(a), "tokens": tokens})
+        one = argparse.Namespace(**{**vars(a), "tokens": tokens, "cpus": layout})
         if a.json and len(a.token_list) > 1:
             one.json = str(Path(a.json).with_suffix("")) + f"-{tokens}.json"
-        rc = max(rc, _run(one))
+        code, rows = _run(one)
+        rc = max(rc, code)
+        cpu[tokens] = {(r.path, r.concurrency): r.cpu_ms_per_req for r in rows if r.cpu_ms_per_req is not None}
+    if len(cpu) > 1:
+        print_cpu_split(cpu)
     return rc
 
 
-def _run(a: argparse.Namespace) -> int:
+def cpu_split(by_length: Mapping[int, float]) -> tuple[float, float]:
+    """(ms a request, us a token): the least-squares line through CPU per request against answer length.
+
+    The per-request part is what a proxy does once (keys, routing, signing, measurement); the per-token part
+    is what each relayed token costs. Only the second is what a different way of relaying could change."""
+    xs, ys = list(by_length), list(by_length.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, 1000.0 * slope
+
+
+def print_cpu_split(cpu: Mapping[int, Mapping[tuple[str, int], float]]) -> None:
+    lengths = sorted(cpu)
+    keys = sorted(set.intersection(*(set(cpu[t]) for t in lengths)), key=lambda k: (k[1], ALL_PATHS.index(k[0])))
+    if not keys:
+        return
+    split = {k: cpu_split({t: cpu[t][k] for t in lengths}) for k in keys}
+    rows = []
+    for (path, c), (per_req, per_tok) in split.items():
+        bare = split.get(("pyrelay", c))
+        rows.append([path, str(c), f"{per_req:.2f}", f"{per_tok:.1f}",
+                     f"{per_tok / bare[1]:.2f}" if bare and bare[1] > 0 else "-"])
+    print(f"\n== CPU a request = a fixed part + a part per token (fitted over {', '.join(map(str, lengths))}-token "
+          "answers) ==")
+    print(table(["path", "conc", "ms a request", "us a token", "per token / pyrelay's"], rows))
+
+
+def _run(a: argparse.Namespace) -> tuple[int, list[Row]]:
     with ExitStack() as stack:
         if a.workdir:
             workdir = Path(a.workdir)
             workdir.mkdir(parents=True, exist_ok=True)
         else:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tg-bench-")))
-        layout = cpu_layout(a.layout)
+        layout = a.cpus
         if layout is None:
             where = "every process on every CPU" + (" (one CPU: not apart)" if a.layout == "apart" else "")
         else:
@@ -501,10 +542,10 @@ def _run(a: argparse.Namespace) -> int:
         Path(a.json).write_text(json.dumps(data, indent=2))
     broken = errors > 0 or any(ok is False for n_, ok, _ in checks if n_ == "btauth verified")
     if broken:
-        return 2
+        return 2, rows
     if a.strict and any(ok is False for _, ok, _ in checks):
-        return 1
-    return 0
+        return 1, rows
+    return 0, rows
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ printed tables, so a script that breaks, hangs, skips the gateway or loses btaut
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -15,6 +16,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_gateway import cpu_split  # noqa: E402
 
 
 def run_script(name: str, *args: str, timeout: float = 180.0) -> str:
@@ -91,6 +95,32 @@ def test_gateway_smoke_compares_paths() -> None:
     assert re.search(r"^PASS  btauth: fake miners verified (\d+) signed requests", out, re.M)
     if len(os.sched_getaffinity(0)) >= 2:  # the default layout keeps the measuring clients off the servers' CPUs
         assert re.search(r"clients on CPU [\d,]+, fake miners and proxies on CPU [\d,]+$", out.splitlines()[0])
+    assert "PASS  client errors: 0" in out
+
+
+def test_cpu_split_fits_a_fixed_part_and_a_part_per_token() -> None:
+    assert cpu_split({16: 2.0, 128: 9.0}) == pytest.approx((1.0, 62.5))  # 1 ms a request + 62.5 us a token
+    assert cpu_split({4: 1.5, 8: 2.5, 12: 3.5}) == pytest.approx((0.5, 250.0))  # least squares over 3 lengths
+    per_req, per_tok = cpu_split({4: 1.0, 8: 3.0, 12: 2.6})  # noisy: the line through the middle
+    assert per_tok == pytest.approx(200.0) and per_req == pytest.approx(0.6)
+
+
+def test_gateway_smoke_splits_cpu_per_request_and_per_token_with_the_metered_relay() -> None:
+    """Two answer lengths: each path's CPU is split into a fixed part and a part per token, the bare relay's
+    per-token part the unit. The metered relay (``pymeter``) streams every answer whole through the meter."""
+    out = run_script("bench_gateway.py", "--smoke", "--repeat", "1", "--tokens", "4,12", "--concurrency", "4",
+                     "--paths", "pyrelay,pymeter,gateway")
+    for tokens in (4, 12):
+        assert f"{tokens} tokens every 2 ms" in out
+    if len(os.sched_getaffinity(0)) >= 2:  # each length keeps the clients apart (the second once ran all on one CPU)
+        assert out.count("fake miners and proxies on CPU") == 2
+    streamed = [r for r in table_rows(out, "path") if r[0] == "pymeter"]
+    assert streamed and int(streamed[0][2]) == 12 and int(streamed[0][3]) == 0  # 12 timed requests, no error
+    split = {r[0]: r for r in table_rows(out, "path", after="a fixed part + a part per token")}
+    assert set(split) == {"pyrelay", "pymeter", "gateway"}
+    for row in split.values():  # ms a request, us a token: numbers (a fit over smoke-sized CPU may go below 0)
+        assert row[1] == "4" and math.isfinite(float(row[2])) and math.isfinite(float(row[3]))
+    assert split["pyrelay"][4] == ("1.00" if float(split["pyrelay"][3]) > 0 else "-")  # the unit
     assert "PASS  client errors: 0" in out
 
 

@@ -8,6 +8,12 @@ on this machine (event loop, two sockets, scheduling), which bounds from below w
 gateway, this one included, can add. It is a benchmark helper, not a proxy anyone should run: it
 handles only the happy path of a streaming POST.
 
+``--meter`` (the benchmark's ``pymeter`` path) adds, in the same read callback, the per-token work no
+gateway can skip: each read goes through the gateway's own :class:`~gateway.metering.StreamMeter` and
+its content is framed anew for the client by :class:`~gateway.protocol.sse.ChunkFramer`. No per-request
+work (keys, routing, signing, measurements) and no task woken per read: it is what a gateway whose relay
+ran in ``asyncio.Protocol`` callbacks could reach per relayed token, the floor of such a rewrite.
+
 Prints ``READY {"port": ..., "pid": ...}`` once listening; exits when its parent dies::
 
     python scripts/bench_lib/bare_relay.py --ports 8091,8092
@@ -21,6 +27,7 @@ import itertools
 import json
 import os
 import sys
+import time
 from typing import cast
 
 import httptools
@@ -28,12 +35,31 @@ import httptools
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
+class _Reframer:
+    """One answer as the gateway would send it on (``--meter``): each read metered, each token framed anew,
+    ``[DONE]`` at the end. The gateway is imported here only, so the bare relay's own RSS stays the floor too."""
+
+    def __init__(self) -> None:
+        from gateway.metering import StreamMeter
+        from gateway.protocol.sse import ChunkFramer
+
+        self.meter = StreamMeter(max_tokens=1 << 20, started_at=time.monotonic())
+        self.framer = ChunkFramer("chatcmpl-bench", 0, "bench")
+
+    def __call__(self, body: bytes) -> bytes:
+        chunks = self.meter.feed(body, time.monotonic())
+        out = b"".join([self.framer.content(c.content) for c in chunks if c.content])
+        return out + b"data: [DONE]\n\n" if self.meter.done else out
+
+
 class _Upstream(asyncio.Protocol):
     """One pooled connection to a fake miner; relays the body of the response in progress to ``client``."""
 
-    def __init__(self, port: int, idle: list[_Upstream]) -> None:
+    def __init__(self, port: int, idle: list[_Upstream], metered: bool) -> None:
         self.port = port
         self.idle = idle
+        self.metered = metered
+        self.reframe: _Reframer | None = None  # the answer in progress, with --meter
         self.client: asyncio.Transport | None = None
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -48,6 +74,12 @@ class _Upstream(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.client is None:
             return
+        if self.metered:
+            if self.reframe is None:
+                self.reframe = _Reframer()
+            body = self.reframe(body)
+            if not body:
+                return
         frame = b"%x\r\n%b\r\n" % (len(body), body)
         self.client.write(frame if self.started else HEAD + frame)
         self.started = True
@@ -55,7 +87,7 @@ class _Upstream(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self.client is not None:
             self.client.write(b"0\r\n\r\n")
-        self.client, self.started = None, False
+        self.client, self.started, self.reframe = None, False, None
         self.parser = httptools.HttpResponseParser(self)
         self.idle.append(self)
 
@@ -88,7 +120,10 @@ class _Client(asyncio.Protocol):
 
 
 class BareRelay:
-    def __init__(self, ports: list[int]) -> None:
+    def __init__(self, ports: list[int], meter: bool) -> None:
+        self._meter = meter
+        if meter:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repo
         self._next = itertools.cycle(ports)
         self._idle: dict[int, list[_Upstream]] = {p: [] for p in ports}
 
@@ -99,15 +134,15 @@ class BareRelay:
             up = idle.pop()
         else:
             loop = asyncio.get_running_loop()
-            _, up = await loop.create_connection(lambda: _Upstream(port, idle), "127.0.0.1", port)
+            _, up = await loop.create_connection(lambda: _Upstream(port, idle, self._meter), "127.0.0.1", port)
         up.client = client.transport
         assert up.transport is not None
         up.transport.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                            b"\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
 
 
-async def serve(ports: list[int]) -> None:
-    relay = BareRelay(ports)
+async def serve(ports: list[int], meter: bool) -> None:
+    relay = BareRelay(ports, meter)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Client(relay), "127.0.0.1", 0)
     print("READY " + json.dumps({"port": server.sockets[0].getsockname()[1], "pid": os.getpid()}), flush=True)
@@ -120,8 +155,9 @@ async def serve(ports: list[int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="A bare asyncio streaming relay (benchmark helper: the Python floor).")
     p.add_argument("--ports", required=True, help="comma list of fake miner ports on 127.0.0.1")
+    p.add_argument("--meter", action="store_true", help="meter and re-frame each read as the gateway does")
     a = p.parse_args(argv)
-    asyncio.run(serve([int(x) for x in a.ports.split(",")]))
+    asyncio.run(serve([int(x) for x in a.ports.split(",")], a.meter))
     return 0
 
 
