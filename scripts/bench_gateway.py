@@ -496,10 +496,29 @@ def print_cpu_split(cpu: Mapping[int, Mapping[tuple[str, int], float]]) -> None:
     for (path, c), (per_req, per_tok) in split.items():
         bare = split.get(("pyrelay", c))
         rows.append([path, str(c), f"{per_req:.2f}", f"{per_tok:.1f}",
-                     f"{per_tok / bare[1]:.2f}" if bare and bare[1] > 0 else "-"])
+                     f"{per_tok / bare[1]:.2f}" if bare and bare[1] > 1e-6 else "-"])
     print(f"\n== CPU a request = a fixed part + a part per token (fitted over {', '.join(map(str, lengths))}-token "
           "answers) ==")
     print(table(["path", "conc", "ms a request", "us a token", "per token / pyrelay's"], rows))
+    n = lengths[-1]
+    print()
+    for c in sorted({k[1] for k in keys}):
+        gw, meter, bare = split.get(("gateway", c)), split.get(("pymeter", c)), split.get(("pyrelay", c))
+        if gw and meter and bare:  # the gateway's per-request work, each token at the metered relay's cost
+            floor = rewrite_floor(gw, meter, bare, n)
+            print(f"NOTE  a gateway relaying in Protocol callbacks, at {c} streams and {n}-token answers, costs at "
+                  f"least {floor:.2f}x the bare relay's CPU a token (its fixed part, pymeter's part a token)")
+
+
+def rewrite_floor(gateway: tuple[float, float], metered: tuple[float, float], bare: tuple[float, float],
+                  tokens: int) -> float:
+    """The least CPU a relayed token could cost, over the bare relay's, if the gateway kept its per-request work
+    and relayed each token as cheaply as the metered relay does: each ``(ms a request, us a token)``."""
+    def per_token(fixed_ms: float, us: float) -> float:
+        return 1000.0 * fixed_ms / tokens + us
+
+    unit = per_token(*bare)
+    return per_token(gateway[0], metered[1]) / unit if unit > 0 else math.nan  # nan: no CPU seen (smoke sizes)
 
 
 def _run(a: argparse.Namespace) -> tuple[int, list[Row]]:
