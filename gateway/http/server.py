@@ -235,6 +235,48 @@ def _open_files_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
+class _WriteWatchdog:
+    """One timer a request, not a timeout a write (4 us each, ~17 writes a stream): a write pending for
+    ``timeout`` means a client that stopped reading, which would hold a miner's slot; its connection is closed,
+    and the pending write fails as a client that left.
+
+    An object rather than a closure that schedules itself: such a closure refers to itself through its own cell,
+    a cycle that kept each request's objects (about 40) for the garbage collector to find, where refcounting frees
+    them as the request ends. Here the only cycle is the pending timer's, and :meth:`stop` cancels it."""
+
+    __slots__ = ("_loop", "_timeout", "_request", "_since", "_timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float, request: web.BaseRequest) -> None:
+        self._loop = loop
+        self._timeout = timeout
+        self._request = request
+        self._since: float | None = None  # when the write in progress began
+        self._timer: asyncio.TimerHandle | None = None
+
+    def writing(self) -> None:
+        if self._timer is None:
+            self._timer = self._loop.call_later(self._timeout / 2, self._check)
+        self._since = self._loop.time()
+
+    def written(self) -> None:
+        self._since = None
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = None
+        since = self._since
+        if since is not None and self._loop.time() - since >= self._timeout:
+            if self._request.transport is not None:
+                self._request.transport.abort()  # close() would wait for the buffer the client never reads
+            self._request.protocol.force_close()
+            return
+        self._timer = self._loop.call_later(self._timeout / 2, self._check)
+
+
 class HttpServer:
     """One listening socket serving an ASGI ``app`` through aiohttp."""
 
@@ -370,36 +412,20 @@ class HttpServer:
                 raise BodyTimeout(self.body_timeout) from None
             return {"type": "http.request", "body": chunk, "more_body": not request.content.at_eof()}
 
-        # One watchdog a request, not a timeout a write (4 us each, ~17 writes a stream): a write pending for
-        # write_timeout means a client that stopped reading, which would hold a miner's slot; its connection is
-        # closed, and the pending write fails as a client that left.
-        writing: list[float | None] = [None]  # when the write in progress began
-        watchdog: list[asyncio.TimerHandle | None] = [None]
-
-        def check_writes() -> None:
-            since = writing[0]
-            if since is not None and loop.time() - since >= self.write_timeout:
-                watchdog[0] = None
-                if request.transport is not None:
-                    request.transport.abort()  # close() would wait for the buffer the client never reads
-                request.protocol.force_close()
-                return
-            watchdog[0] = loop.call_later(self.write_timeout / 2, check_writes)
+        watchdog = _WriteWatchdog(loop, self.write_timeout, request)
 
         async def send(message: dict[str, Any]) -> None:
             kind = message["type"]
             if kind == "http.response.start":
                 state["start"] = message
                 return
-            if watchdog[0] is None:
-                watchdog[0] = loop.call_later(self.write_timeout / 2, check_writes)
-            writing[0] = loop.time()
+            watchdog.writing()
             try:
                 await _send(message)
             except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the client left mid-write
                 raise ClientGone from None
             finally:
-                writing[0] = None
+                watchdog.written()
 
         async def _send(message: dict[str, Any]) -> None:
             response: web.StreamResponse | None = state["response"]
@@ -425,8 +451,7 @@ class HttpServer:
         try:
             await self.app(scope, receive, send)
         finally:
-            if watchdog[0] is not None:
-                watchdog[0].cancel()
+            watchdog.stop()
         response = state["response"]
         if response is None:  # the app sent nothing (a bug): aiohttp still needs an answer
             return web.Response(status=500)

@@ -114,7 +114,7 @@ class UpstreamStream:
             return self.measurement
         m = self.measurement = measurement_of(self, failure, self._loop.time() - self.t0)
         self.meter.release()
-        self._deadline.cancel()
+        self._deadline.close()
         resp, self._resp = self._resp, None
         if resp is not None:
             if failure is None:
