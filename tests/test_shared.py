@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
 from gateway.protocol.sampling import SamplingParams
-from gateway.quota import KeyPolicy, QuotaBook, Refusal, Ticket
+from gateway.quota import KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
 from gateway.router import Candidate, Router
 from gateway.shared.leases import SharedLeases
 from gateway.shared.limits import SharedLimits, SharedTicket
@@ -178,6 +179,23 @@ async def test_token_limits_charge_the_reservation_then_what_was_used(links: Lin
     assert isinstance(await b.admit(daily, 400), SharedTicket)
     too_big = await b.admit(policy, 1001)
     assert isinstance(too_big, Refusal) and "more than the 1000 a minute allows" in too_big.detail
+
+
+async def test_a_keys_use_today_is_every_processs_as_redis_counts_it(links: Links) -> None:
+    a_link, b_link = links()
+    a, b = SharedLimits(a_link, QuotaBook()), SharedLimits(b_link, QuotaBook())
+    policy = KeyPolicy("grace", streams=4, tpd=10_000)
+    now = time.time()  # one day for every call, whenever the test runs
+    assert await a.usage("grace", now) == {"day": utc_day(now), "requests_today": 0, "tokens_today": 0,
+                                           "in_flight": 0}
+    first, second = await a.admit(policy, 100, now), await b.admit(policy, 300, now)
+    assert isinstance(first, SharedTicket) and isinstance(second, SharedTicket)
+    used = await b.usage("grace", now)
+    assert used is not None and (used["requests_today"], used["tokens_today"], used["in_flight"]) == (2, 400, 2)
+    a.settle(first, 40, now)  # used 40 of its 100; its stream ends
+    await a.flush()
+    used = await a.usage("grace", now)
+    assert used is not None and (used["requests_today"], used["tokens_today"], used["in_flight"]) == (2, 340, 1)
 
 
 async def test_redis_down_admits_a_local_share_of_each_limit() -> None:

@@ -95,8 +95,7 @@ class SharedLeases:
                                      args=[token, m.slots, self.ttl_ms]))
         except (asyncio.CancelledError, RedisError, OSError) as e:
             if interrupted(e):  # the client left while we asked: the script may have run, so give its place back
-                self._ops.append(("rel", m.hotkey, token))
-                self._wake.set()
+                self._give_back(m.hotkey, token)
                 raise asyncio.CancelledError from None
             self.link.failed(e)
             return True
@@ -106,8 +105,7 @@ class SharedLeases:
             self.router.note_elsewhere(m, -1 - n - own)
             return False
         if lease.released:  # the client left while we asked: give it back at once
-            self._ops.append(("rel", m.hotkey, token))
-            self._wake.set()
+            self._give_back(m.hotkey, token)
             return True
         lease.token = token
         lease.in_flight_at_dispatch = n  # subnet-wide: a 429 is judged against every process's streams
@@ -119,8 +117,12 @@ class SharedLeases:
     def _released(self, lease: Lease) -> None:
         if lease.token is not None and self._mine.pop(lease.token, None) is not None:
             self._per_miner[lease.miner.hotkey] -= 1
-            self._ops.append(("rel", lease.miner.hotkey, lease.token))
-            self._wake.set()
+            self._give_back(lease.miner.hotkey, lease.token)
+
+    def _give_back(self, hotkey: str, token: str) -> None:
+        """Free a place on ``hotkey``'s slots in Redis, with the next batch of releases."""
+        self._ops.append(("rel", hotkey, token))
+        self._wake.set()
 
     def _delivered(self, lease: Lease) -> None:
         if lease.token is not None and lease.token in self._mine:

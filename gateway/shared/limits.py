@@ -104,6 +104,12 @@ end
 return 1
 """
 
+# KEYS: streams zset, day hash. Returns {requests today, tokens today, streams still held}: one round trip, one clock.
+_USAGE = NOW_MS + """
+local day = redis.call('HMGET', KEYS[2], 'requests', 'tokens')
+return {tonumber(day[1] or '0'), tonumber(day[2] or '0'), redis.call('ZCOUNT', KEYS[1], now, '+inf')}
+"""
+
 _LIMITS = {1: "concurrent streams", 2: "requests per minute", 3: "tokens per minute", 4: "tokens per day",
            5: "tokens per minute"}
 
@@ -132,6 +138,7 @@ class SharedLimits:
         self._admit = link.redis.register_script(_ADMIT)
         self._settle = link.redis.register_script(_SETTLE)
         self._renew = link.redis.register_script(RENEW)
+        self._usage = link.redis.register_script(_USAGE)
         self._name = secrets.token_hex(4)
         self._ids = itertools.count()
         self._live: dict[str, SharedTicket] = {}  # tickets holding a stream, renewed while they run
@@ -167,8 +174,7 @@ class SharedLimits:
             if interrupted(e):
                 # the client left while we asked: a stream the script may have taken is given back (what it
                 # charged stays: at most one request's reservation, against the key)
-                self._settles.append((SharedTicket(policy.name, reserve, 0, day, token, streams=True), 0))
-                self._wake.set()
+                self.settle(SharedTicket(policy.name, reserve, 0, day, token, streams=True), reserve)
                 raise asyncio.CancelledError from None
             self.link.failed(e)
             self.fallbacks += 1
@@ -188,15 +194,12 @@ class SharedLimits:
         if not self.link.usable():
             return None
         try:
-            used = await self.link.redis.hgetall(keys[3])
-            sec, usec = await self.link.redis.time()
-            streams = await self.link.redis.zcount(keys[0], sec * 1000 + usec // 1000, "+inf")
+            requests, tokens, streams = (int(x) for x in await self._usage(keys=[keys[0], keys[3]]))
         except (RedisError, OSError) as e:
             self.link.failed(e)
             return None
         self.link.worked()
-        return {"day": day, "requests_today": int(used.get(b"requests", 0)),
-                "tokens_today": int(used.get(b"tokens", 0)), "in_flight": int(streams)}
+        return {"day": day, "requests_today": requests, "tokens_today": tokens, "in_flight": streams}
 
     def settle(self, ticket: SharedTicket | Ticket, used: int, now: float | None = None) -> None:
         """The request ended having used ``used`` tokens (idempotent; sent in the background)."""

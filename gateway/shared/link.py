@@ -48,11 +48,15 @@ return #KEYS
 """
 
 
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def interrupted(e: BaseException) -> bool:
     """Whether ``e`` (from a Redis call) is, or hides, this task's cancellation: what the call may have done in
     Redis must then be given back by the caller, and the cancellation go on."""
-    task = asyncio.current_task()
-    return isinstance(e, asyncio.CancelledError) or (task is not None and task.cancelling() > 0)
+    return isinstance(e, asyncio.CancelledError) or _cancelling()
 
 
 def stop_if_cancelled() -> None:
@@ -62,8 +66,7 @@ def stop_if_cancelled() -> None:
     task stays marked as cancelling; a loop that then went on would never stop (seen: a validator's stop waiting
     minutes for its lease loop, 3 runs in 5).
     """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
+    if _cancelling():
         raise asyncio.CancelledError
 
 
