@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_lib.clients import chat_body, run_level  # noqa: E402
 from bench_lib.fake_upstream import validator_keypair  # noqa: E402
-from bench_lib.procs import Child, cpu_seconds, exit_on_signals, free_port, tree, wait_port  # noqa: E402
+from bench_lib.procs import Child, cpu_seconds, exit_on_signals, free_port, start_redis, tree  # noqa: E402
 from bench_lib.stats import percentile  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -165,12 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     admitted: list[tuple[int, int]] = []
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-scale-")))
-        rport = free_port()
-        nice = ["nice", "-n", str(a.redis_nice)] if a.redis_nice is not None else []
-        redis = stack.enter_context(Child([*nice, redis_server, "--port", str(rport), "--bind", "127.0.0.1", "--save",
-                                           "", "--appendonly", "no"], name="redis", log_path=workdir / "redis.log"))
-        wait_port(rport, 10.0, redis)
-        redis_url = f"redis://127.0.0.1:{rport}/0"
+        redis_url, redis = start_redis(stack, redis_server, nice=a.redis_nice, log_path=workdir / "redis.log")
         v = validator_keypair().ss58_address
         up = stack.enter_context(Child([sys.executable, str(HERE / "bench_lib" / "fake_upstream.py"), "--ports",
                                         str(a.ports), "--ttft-ms", str(a.ttft_ms), "--tokens", str(a.tokens),

@@ -29,15 +29,13 @@ import contextlib
 import dataclasses
 import json
 import shutil
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_lib.procs import start_redis  # noqa: E402
 from loguru import logger  # noqa: E402
 from soak_lib.harness import RunOptions, RunResult, run_scenario  # noqa: E402
 from soak_lib.plot import plot_scenario  # noqa: E402
@@ -102,33 +100,19 @@ async def run_all(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url
         if args.gateways > 1 and redis_url is None:
-            redis_url = stack.enter_context(redis_server())
+            redis_url = redis_server(stack)
         opts = RunOptions(scale=scale, seed=args.seed, window=window, util_ttft_s=args.util_ttft,
                           util_cap_s=args.util_cap, gateways=args.gateways, redis_url=redis_url)
         return await _run_all(args, opts, window)
 
 
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
+def redis_server(stack: contextlib.ExitStack) -> str:
     """Debian's redis-server on a free loopback port, in memory, for this run only."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("--gateways above 1 needs Debian's redis-server (apt-get install -y redis-server) "
                          "or --redis-url")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(200):
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
+    return start_redis(stack, exe)[0]
 
 
 async def _run_all(args: argparse.Namespace, opts: RunOptions, window: int) -> int:

@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,19 @@ def wait_port(port: int, timeout: float = 30.0, child: Child | None = None) -> N
             if time.monotonic() > deadline:
                 raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f}s") from None
             time.sleep(0.1)
+
+
+def start_redis(stack: ExitStack, exe: str, *, nice: int | None = None,
+                log_path: str | Path | None = None) -> tuple[str, Child]:
+    """Debian's ``redis-server`` (``exe``) on a free loopback port, in memory only (no snapshot, no append-only
+    file), stopped with ``stack``; returns its URL once it accepts connections, and its process. ``nice``: run
+    it at that nice level (does Redis's added latency come from waiting for a core?)."""
+    port = free_port()
+    prefix = ["nice", "-n", str(nice)] if nice is not None else []
+    child = stack.enter_context(Child([*prefix, exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no"], name="redis", log_path=log_path))
+    wait_port(port, 10.0, child)
+    return f"redis://127.0.0.1:{port}/0", child
 
 
 # -- /proc accounting ---------------------------------------------------------------------------------
