@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from soak_lib.load import CardRuntime  # noqa: E402
 from soak_lib.routers import DeterministicRouter, SmoothRouter  # noqa: E402
+from soak_lib.scenarios import build_scenarios, time_scale  # noqa: E402
 from soak_lib.timescale import scaled_credit_config, to_simulated  # noqa: E402
 
 
@@ -124,6 +125,17 @@ def test_time_scaling_before_credit_equals_scaled_bands() -> None:
         assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9), (m, scale, a, b)
 
 
+def test_the_adversarial_full_run_is_at_half_the_default_time_scale_unless_asked_otherwise() -> None:
+    """The adversarial cards share the gateway's loop, whose lag the scale multiplies: its full run is at 5, every
+    other scenario at 10; an explicit --time-scale wins in a full run, and the smoke keeps its own fixed scales."""
+    full, smoke = build_scenarios(window=12, smoke=False), build_scenarios(window=12, smoke=True)
+    assert time_scale(full["adversarial"], smoke=False, requested=None) == 5.0
+    assert {time_scale(sc, smoke=False, requested=None) for name, sc in full.items() if name != "adversarial"} == {10.0}
+    assert {time_scale(sc, smoke=False, requested=20.0) for sc in full.values()} == {20.0}
+    assert time_scale(smoke["adversarial"], smoke=True, requested=20.0) == 10.0
+    assert time_scale(smoke["seed"], smoke=True, requested=20.0) == 40.0
+
+
 def test_deterministic_router_is_fewest_in_flight_then_highest_score() -> None:
     r = DeterministicRouter(rng=random.Random(0))
     r.sync([Candidate(1, "a", "127.0.0.1:1"), Candidate(2, "b", "127.0.0.1:2"), Candidate(3, "c", "127.0.0.1:3")])
@@ -199,8 +211,9 @@ def test_adversarial_miners_without_user_work_are_paid_nothing(smoke: tuple[str,
 
 # Targets of the adversarial smoke whose margin is inside the noise of 8 rounds: judged over the full run's 3 seeds
 # (README), printed here. Measured in smoke runs: the self-dealer 1.01x quiet and 1.02x beside two CPU hogs (0.96-1.00x
-# over the full runs), the honest card with invisible load 0.84x / 0.82x (0.93-0.96x over the full runs), honest cards
-# 1.07x apart and once 1.17x in a CI run (1.03-1.06x over the full runs).
+# over the full runs), the honest card with invisible load 0.84x / 0.82x, later 0.75-0.76x (0.92-1.06x over the full
+# runs at their time scale of 5, 0.72-0.98x at the smoke's 10: README), honest cards 1.07x apart and once 1.17x in a CI
+# run (1.03-1.08x over the full runs).
 STATISTICAL = ("cheater 'self-dealer'", "honest card with invisible load", "identical honest cards")
 
 
@@ -211,6 +224,19 @@ def test_adversarial_cheaters_out_earn_no_honest_card(smoke: tuple[str, dict]) -
     assert len(judged) >= 15
     failed = [f"{t['name']}: {t['detail']}" for t in judged if not t["ok"]]
     assert not failed, failed
+
+
+def test_the_invisible_load_line_splits_its_weight_into_requests_served_and_pay_for_each(
+        smoke: tuple[str, dict]) -> None:
+    """The invisible-load card's weight is the router's share times the pay per request: the line says both, and
+    they multiply back to the weight it prints."""
+    run = _runs(smoke[1], "adversarial")["project"]
+    (line,) = [t["detail"] for t in run["targets"] if t["name"].startswith("honest card with invisible load")]
+    m = re.search(r"weight ([\d.]+)x: served ([\d.]+)x an unloaded card's requests, weight per request served "
+                  r"([\d.]+)x", line)
+    assert m, line
+    weight, served, per_request = map(float, m.groups())
+    assert served > 0 and abs(served * per_request - weight) <= 0.01 + 0.005 * (served + per_request), line
 
 
 def test_two_gateways_sharing_redis_never_send_a_miner_more_than_its_slots(redis_url: str,

@@ -195,13 +195,18 @@ def _adversarial_targets(sc: Scenario, S: dict[str, MinerSeries]) -> list[Target
         b = S[sc.background]
         diff = abs(b.settled[-1] - honest_c)
         wr = b.weight[-1] / honest_w if honest_w > 0 else math.inf
+        # What the weight is made of: the requests the router sent it (least-in-flight finds a card whose streams
+        # last longer busy more often) and the pay for each, so a reader can tell the router's share from the pay.
+        honest_served = sum(sum(S[x].served) for x in sc.honest) / len(sc.honest)
+        sr = sum(b.served) / honest_served if honest_served > 0 else math.inf
         out.append(Target(f"honest card with invisible load {sc.background!r} within "
                           f"{BACKGROUND_CREDIT_TOLERANCE} settled credit of an unloaded one, weight >= "
                           f"{BACKGROUND_WEIGHT_FLOOR}x", diff <= BACKGROUND_CREDIT_TOLERANCE
                           and wr >= BACKGROUND_WEIGHT_FLOOR,
-                          f"settled {b.settled[-1]:.3f} vs {honest_c:.3f} (diff {diff:.3f}); weight {wr:.2f}x; it "
-                          f"carried {b.background_streams} streams of other validators next to {sum(b.served)} "
-                          f"of this one's"))
+                          f"settled {b.settled[-1]:.3f} vs {honest_c:.3f} (diff {diff:.3f}); weight {wr:.2f}x: "
+                          f"served {sr:.2f}x an unloaded card's requests, weight per request served "
+                          f"{wr / sr if sr > 0 else math.inf:.2f}x; it carried {b.background_streams} streams of "
+                          f"other validators next to {sum(b.served)} of this one's"))
     return out
 
 
