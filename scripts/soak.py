@@ -46,6 +46,17 @@ from soak_lib.scenarios import DEFAULT_SCALE, SMOKE_SCALE, Scenario, build_scena
 SCENARIO_NAMES = ("seed", "burst", "mixed", "capacity", "adversarial")
 
 
+def _positive(text: str) -> float:
+    """A time scale: simulated seconds per real second, so more than 0 and finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python scripts/soak.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -61,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "round robin, zero scores last (proposal); both: project+deterministic; all: the four")
     p.add_argument("--no-proposal", dest="proposal", action="store_false",
                    help="do not add the proposal routers (smooth; slots for capacity) next to the chosen ones")
-    p.add_argument("--time-scale", type=float, default=None,
+    p.add_argument("--time-scale", type=_positive, default=None,
                    help="simulated seconds per real second (cards, rounds, traffic, probes; credit sees simulated s); "
                         f"default {DEFAULT_SCALE:g}, the adversarial scenario 5 (scenarios.py says why)")
     p.add_argument("--window", type=int, default=12, help="settlement window, in rounds")
@@ -97,7 +108,7 @@ def routers_for(args: argparse.Namespace, sc: Scenario) -> list[str]:
 
 async def run_all(args: argparse.Namespace) -> int:
     window = 2 if args.smoke else args.window
-    scale = SMOKE_SCALE if args.smoke else args.time_scale or DEFAULT_SCALE
+    scale = SMOKE_SCALE if args.smoke else DEFAULT_SCALE if args.time_scale is None else args.time_scale
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url
         if args.gateways > 1 and redis_url is None:
