@@ -41,7 +41,7 @@ from soak_lib.harness import RunOptions, RunResult, run_scenario  # noqa: E402
 from soak_lib.plot import plot_scenario  # noqa: E402
 from soak_lib.report import format_table, summarize, target_lines, to_json  # noqa: E402
 from soak_lib.routers import ROUTERS  # noqa: E402
-from soak_lib.scenarios import DEFAULT_SCALE, SMOKE_SCALE, Scenario, build_scenarios, time_scale  # noqa: E402
+from soak_lib.scenarios import DEFAULT_SCALE, Scenario, build_scenarios, run_scale, time_scale  # noqa: E402
 
 SCENARIO_NAMES = ("seed", "burst", "mixed", "capacity", "adversarial")
 
@@ -108,7 +108,7 @@ def routers_for(args: argparse.Namespace, sc: Scenario) -> list[str]:
 
 async def run_all(args: argparse.Namespace) -> int:
     window = 2 if args.smoke else args.window
-    scale = SMOKE_SCALE if args.smoke else DEFAULT_SCALE if args.time_scale is None else args.time_scale
+    scale = run_scale(smoke=args.smoke, requested=args.time_scale)
     with contextlib.ExitStack() as stack:
         redis_url = args.redis_url
         if args.gateways > 1 and redis_url is None:

@@ -207,11 +207,16 @@ DEFAULT_SCALE = 10.0  # a full run's time scale, unless a scenario sets its own
 SMOKE_SCALE = 40.0  # the smoke's, likewise
 
 
-def time_scale(sc: Scenario, *, smoke: bool, requested: float | None) -> float:
-    """The time scale ``sc`` runs at: the scenario's own where it sets one, else the run's default; a full run's
-    ``--time-scale`` (``requested``) overrides both, the smoke's scales are fixed."""
+def run_scale(*, smoke: bool, requested: float | None) -> float:
+    """The run's time scale: the smoke's, else a full run's ``--time-scale`` (``requested``) or the default."""
     if smoke:
-        return sc.scale or SMOKE_SCALE
-    if requested is not None:
-        return requested
-    return sc.scale or DEFAULT_SCALE
+        return SMOKE_SCALE
+    return DEFAULT_SCALE if requested is None else requested
+
+
+def time_scale(sc: Scenario, *, smoke: bool, requested: float | None) -> float:
+    """The time scale ``sc`` runs at: its own where it sets one, else the run's; a full run's ``--time-scale``
+    (``requested``) overrides a scenario's own, the smoke's scales are fixed."""
+    if sc.scale is not None and (smoke or requested is None):
+        return sc.scale
+    return run_scale(smoke=smoke, requested=requested)
