@@ -17,6 +17,7 @@ from gateway.protocol.sampling import (
     seeded_token,
     wire_seed,
 )
+from scoring.audit import AuditBands
 from scoring.audit.forcing import force
 
 
@@ -169,14 +170,39 @@ def test_seeded_gap_is_zero_for_the_seeded_answer_and_large_for_others() -> None
         assert float(np.median(s2.gap[differ])) > 0.5  # the bands' greedy_gap
 
 
-def test_seeded_gap_tolerates_logit_noise_near_the_nucleus_edge() -> None:
-    """The miner's numerics differ a little: a token chosen inside its nucleus is not outside the reference's."""
-    rng = np.random.default_rng(9)
-    rows = _rows(60, vocab=120, seed=6)
-    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=77)
-    noisy = (rows + rng.normal(0.0, 0.02, size=rows.shape)).astype(np.float32)
-    s = force(rows, _seeded_answer(noisy, sampling), sampling, stop_ids=(0,))
-    assert np.isfinite(s.gap).all() and float(s.gap.max()) < 0.5
+def test_seeded_gaps_tolerate_a_runtimes_logit_noise_at_the_nucleus_edge() -> None:
+    """An honest miner's logits differ from the reference's by tenths of a nat (token by token against batched),
+    which moves a flat row's nucleus edge by 0.1 of mass and more. Its tokens must not land outside the reference's
+    widened nucleus, nor its rivals inside the narrowed one by a hard gap. The slack that shipped before (0.02)
+    failed both ways here, as it failed 5 of 223 honest answers on the real model."""
+    rng = np.random.default_rng(4)
+    flagged = {}
+    for slack in (0.02, None):  # the old slack, then the default
+        outside, worst = 0, 0.0
+        for _ in range(12):
+            rows = rng.normal(0.0, 1.5, size=(41, 4000)).astype(np.float32)  # flat rows: wide nuclei
+            noisy = rows + rng.normal(0.0, 0.15, size=rows.shape).astype(np.float32)
+            for temp, top_p in ((1.2, 0.8), (0.7, 0.9), (1.0, 0.95)):
+                sampling = SamplingParams(temperature=temp, top_p=top_p, seed=int(rng.integers(1, 2**62)))
+                kw = {} if slack is None else {"nucleus_slack": slack}
+                s = force(rows, _seeded_answer(noisy, sampling), sampling, stop_ids=(0,), **kw)
+                assert np.isfinite(s.gap).all()  # a token beyond the nucleus is flagged, its gap still measured
+                outside += int(s.outside.sum())
+                worst = max(worst, float(s.gap.max()))
+        flagged[slack] = (outside, worst)
+    assert flagged[None][0] == 0 and flagged[None][1] < AuditBands().greedy_hard_gap, flagged
+    assert flagged[0.02][0] > 0 and flagged[0.02][1] > AuditBands().greedy_hard_gap, flagged
+
+
+def test_a_seeded_token_beyond_the_widened_nucleus_is_flagged_and_its_gap_measured() -> None:
+    """A token the sampler picked over the whole vocabulary, not the asked nucleus (top_p ignored), is outside."""
+    rows = _rows(60, vocab=200, seed=8)
+    asked = SamplingParams(temperature=1.0, top_p=0.5, seed=99)
+    everything = _seeded_answer(rows, SamplingParams(temperature=1.0, top_p=1.0, seed=99))
+    s = force(rows, everything, asked, stop_ids=(0,))
+    honest = force(rows, _seeded_answer(rows, asked), asked, stop_ids=(0,))
+    assert not honest.outside.any() and s.outside.sum() >= 3
+    assert np.isfinite(s.gap).all() and (s.gap[s.outside] == 0).all()  # each was the best score over the vocabulary
 
 
 def test_seeded_stop_gap_says_whether_the_end_of_turn_won() -> None:

@@ -41,8 +41,8 @@ def answer(text: str = "Hello world", ids: tuple[int, ...] | None = (5, 6, 7), *
 
 def scores(n: int, *, gap: float = 0.0, z_shift: float = 0.0, stop_gap: float = 0.0,
            stop_logp: float = -0.1) -> ForcedScores:
-    return ForcedScores(gap=np.full(n, gap), logp=np.full(n, -1.0 + z_shift), mean=np.full(n, -1.0),
-                        var=np.full(n, 1.0), stop_gap=stop_gap, stop_logp=stop_logp)
+    return ForcedScores(gap=np.full(n, gap), outside=np.zeros(n, dtype=bool), logp=np.full(n, -1.0 + z_shift),
+                        mean=np.full(n, -1.0), var=np.full(n, 1.0), stop_gap=stop_gap, stop_logp=stop_logp)
 
 
 def checked(a: Answer) -> CheckedIds:
@@ -100,7 +100,7 @@ def test_sampled_z_band_is_two_sided() -> None:
     high = judge(a, c, scores(3, z_shift=4.0), b)  # z = +6.9: cheaper than asked (greedy where sampling was asked)
     assert high.failure == AuditFailure.IMPLAUSIBLE
     outside = scores(3)
-    outside.logp[1] = -np.inf  # a token outside the nucleus
+    outside.logp[1], outside.outside[1] = -np.inf, True  # a token outside the nucleus
     assert judge(a, c, outside, b).failure == AuditFailure.IMPLAUSIBLE
 
 
@@ -136,6 +136,10 @@ def test_bands_are_validated() -> None:
         AuditBands(z_limit=0.0)
     with pytest.raises(ValueError):
         AuditBands(greedy_miss_share=1.5)
+    for slack in (1.0, -0.1, True, float("nan")):  # a share of probability mass below 1
+        with pytest.raises(ValueError, match="seeded_nucleus_slack"):
+            AuditBands(seeded_nucleus_slack=slack)
+    assert AuditBands(seeded_nucleus_slack=0).seeded_nucleus_slack == 0
 
 
 def test_strikes_quarantine_and_release() -> None:
@@ -204,8 +208,8 @@ def test_verdict_decides_what_is_paid() -> None:
 def test_logit_noise_widens_the_band_at_low_temperature_only() -> None:
     """Batched and token-by-token logits differ a little; at T=0.2 that is amplified 5x (measured |z| 9.5)."""
     n = 40
-    s = ForcedScores(gap=np.zeros(n), logp=np.full(n, -1.2), mean=np.full(n, -1.0), var=np.full(n, 0.01),
-                     stop_gap=0.0, stop_logp=-0.1)
+    s = ForcedScores(gap=np.zeros(n), outside=np.zeros(n, dtype=bool), logp=np.full(n, -1.2), mean=np.full(n, -1.0),
+                     var=np.full(n, 0.01), stop_gap=0.0, stop_logp=-0.1)
     cold = answer(text="?" * n, ids=tuple([50] * n), temperature=0.2, finish="length", max_tokens=n)
     assert judge(cold, checked(cold), s, AuditBands(logit_noise=0.0)).failure == AuditFailure.IMPLAUSIBLE
     assert judge(cold, checked(cold), s, AuditBands(logit_noise=0.15)).passed
@@ -226,6 +230,22 @@ def test_seeded_sampled_answers_are_judged_token_by_token_like_greedy_ones() -> 
     assert judge(seeded, c, scores(3, stop_gap=0.1, stop_logp=-15.0), b).passed  # the sampler did pick the end
     free = answer(temperature=0.8)
     assert judge(free, checked(free), scores(3, z_shift=-9.0), b).failure == AuditFailure.IMPLAUSIBLE
+
+
+def test_a_seeded_token_outside_the_nucleus_is_a_miss_not_a_failure_by_itself() -> None:
+    """Issue-28 stop's CI: an honest token just beyond the reference's nucleus edge used to be infinitely far (a
+    failed audit, a strike). Now it is a miss like a near-tie flip: one passes a short answer and is evidence for
+    the sequential test; two in 20 tokens (a sampler that ignores ``top_p``) fail it, and the detail says so."""
+    b = AuditBands()
+    seeded = SamplingParams(temperature=1.0, top_p=0.8, seed=11)
+    a20 = dataclasses.replace(answer(text="?" * 20, ids=tuple([50] * 20), temperature=1.0), sampling=seeded)
+    edge = scores(20)
+    edge.outside[7] = True
+    v = judge(a20, checked(a20), edge, b)
+    assert v.passed and (v.positions, v.misses) == (20, 1) and v.worst_gap == 0.0
+    edge.outside[12] = True
+    v = judge(a20, checked(a20), edge, b)
+    assert v.failure == AuditFailure.WRONG_TOKENS and v.misses == 2 and "2 outside top_p" in v.detail
 
 
 def test_one_near_tie_miss_never_fails_a_short_answer() -> None:

@@ -40,14 +40,16 @@ from .bands import HonestSpread, bands_from, describe, save_bands
 from .llama import replay_scored
 
 
-def spread_of(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> tuple[list[float], Verdict] | None:
-    """On the reference's thread: each determined position's gap and the verdict (None: too long to replay)."""
+def spread_of(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> tuple[list[float], int, Verdict] | None:
+    """On the reference's thread: each determined position's gap, how many of its tokens lie outside the nucleus
+    (even widened by the bands' slack) and the verdict (None: too long to replay)."""
     scored = replay_scored(engine, answer, bands)
     if scored is None:
         return None
     verdict, scores = scored
-    determined = answer.sampling.greedy or answer.sampling.seeded
-    return ([float(g) for g in scores.gap] if scores is not None and determined else []), verdict
+    if scores is None or not (answer.sampling.greedy or answer.sampling.seeded):
+        return [], 0, verdict
+    return [float(g) for g in scores.gap], int(scores.outside.sum()), verdict
 
 
 def _model_file(name: str) -> Path:
@@ -91,7 +93,7 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
     prompts = PromptGenerator(random.Random(args.seed), MIXES[args.mix])
     gaps: list[float] = []
     zs: list[float] = []
-    misses = positions = failed = skipped = 0
+    misses = positions = failed = skipped = outside = 0
     t0 = time.monotonic()
     try:
         for i in range(args.answers):
@@ -109,8 +111,9 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
             if got is None:
                 skipped += 1
                 continue
-            answer_gaps, verdict = got
+            answer_gaps, answer_outside, verdict = got
             gaps += answer_gaps
+            outside += answer_outside
             misses += verdict.misses
             positions += verdict.positions
             failed += not verdict.passed
@@ -128,13 +131,14 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
     bands, test = bands_from(spread)
     measured = {"miner": url, "miner_hotkey": hotkey, "reference": str(path), "answers": args.answers,
                 "replayed": args.answers - skipped, "positions": positions, "misses_at_default_band": misses,
-                "failed_at_default_bands": failed, "worst_gap": max(gaps, default=0.0),
+                "failed_at_default_bands": failed, "outside_nucleus_at_default_slack": outside,
+                "worst_gap": max(gaps, default=0.0),
                 "max_abs_z": max(zs, default=0.0), "seconds": round(time.monotonic() - t0, 1),
                 "free_sampling": bool(args.free_sampling)}
     save_bands(Path(args.out), bands, test, measured=measured)
-    logger.info("honest spread: {} positions, {} off the default near-tie band, worst gap {:.2f}; {} answers of {} "
-                "failed the default bands", positions, misses, max(gaps, default=0.0), failed,
-                args.answers - skipped)
+    logger.info("honest spread: {} positions, {} off the default near-tie band ({} outside the nucleus), worst gap "
+                "{:.2f}; {} answers of {} failed the default bands", positions, misses, outside, max(gaps, default=0.0),
+                failed, args.answers - skipped)
     logger.info("wrote {}: {}", args.out, describe(bands, test))
     return 0
 

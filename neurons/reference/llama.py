@@ -74,6 +74,7 @@ def replay_scored(engine: LlamaEngine, answer: Answer, bands: AuditBands
     prompt = engine.prompt_ids(answer.messages)
     if len(prompt) + len(checked.ids) + 1 > engine.n_ctx:
         return None
-    scores = force(engine.forced_logits(prompt, checked.ids), checked.ids, answer.sampling, engine.stop_ids)
+    scores = force(engine.forced_logits(prompt, checked.ids), checked.ids, answer.sampling, engine.stop_ids,
+                   nucleus_slack=bands.seeded_nucleus_slack)
     verdict = judge(answer, checked, scores, bands)
     return dataclasses.replace(verdict, prompt_tokens=len(prompt)), scores

@@ -35,4 +35,5 @@ def _toy_audit(answer: Answer, bands: AuditBands) -> Verdict:
     if isinstance(checked, Verdict):
         return checked
     rows = model.rows(model.key(answer.messages), len(checked.ids), answer.max_tokens)
-    return judge(answer, checked, force(rows, checked.ids, answer.sampling, model.stop_ids), bands)
+    scores = force(rows, checked.ids, answer.sampling, model.stop_ids, nucleus_slack=bands.seeded_nucleus_slack)
+    return judge(answer, checked, scores, bands)

@@ -12,7 +12,8 @@ Pure rules, in the order they are checked:
      reference's best (by logit, or by Gumbel-perturbed score) or within ``greedy_gap`` nats of it
      (batched and token-by-token numerics differ, so near-ties flip); at most ``greedy_miss_share``
      of the positions may miss (and always ``min_misses``: one flip must not fail a short answer),
-     none by more than ``greedy_hard_gap``;
+     none by more than ``greedy_hard_gap``; a seeded token outside the asked nucleus (taken
+     ``seeded_nucleus_slack`` wider, for the runtimes' numerics) is a miss too;
    * sampled requests without a seed (``--gateway.free-sampling``): the answer's z-score,
      ``sum(logp - mean) / sqrt(sum var)`` under the asked
      distribution, must lie within ``±z_limit``, over the whole answer and over its first ``head``
@@ -47,7 +48,7 @@ import numpy.typing as npt
 from gateway.protocol.tools import parse_tool_calls, same_calls
 from scoring.measurement import Answer
 
-from .forcing import ForcedScores
+from .forcing import NUCLEUS_SLACK, ForcedScores
 
 
 class AuditFailure(StrEnum):
@@ -74,6 +75,9 @@ class AuditBands:
     # 11,171 honest seeded positions 6 were 0.5-0.80 nats off, and one such flip failed a 16-token answer at 5 %.
     min_misses: int = 1
     greedy_hard_gap: float = 2.0
+    # Seeded answers with a nucleus: the probability mass by which the reference widens the nucleus for the miner's
+    # token (beyond it the token is a miss) and narrows it for the token's best rival (scoring.audit.forcing).
+    seeded_nucleus_slack: float = NUCLEUS_SLACK
     z_limit: float = 5.0  # honest |z| reached 3.46 over 369 sampled answers (scripts/bench_audit.py)
     head: int = 8
     # Logit noise (nats) between the reference's batched pass and a runtime's token-by-token decoding,
@@ -97,6 +101,9 @@ class AuditBands:
             v = getattr(self, name)
             if not (isinstance(v, int | float) and 0.0 <= v <= 1.0):
                 raise ValueError(f"AuditBands.{name} must be within [0, 1], got {v!r}")
+        v = self.seeded_nucleus_slack
+        if isinstance(v, bool) or not (isinstance(v, int | float) and 0.0 <= v < 1.0):
+            raise ValueError(f"AuditBands.seeded_nucleus_slack must be within [0, 1), got {v!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,15 +199,16 @@ def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: Audi
     if n and not answer.penalised:
         if determined:
             positions = n
-            misses = int((scores.gap > bands.greedy_gap).sum())
+            beyond = int(scores.outside.sum())  # beyond even the widened nucleus: a miss, whatever its gap
+            misses = int(((scores.gap > bands.greedy_gap) | scores.outside).sum())
             miss_share = misses / n
             worst_gap = float(scores.gap.max())
             if worst_gap > bands.greedy_hard_gap or misses > max(bands.min_misses, bands.greedy_miss_share * n):
-                return _fail(AuditFailure.WRONG_TOKENS, f"{misses}/{n} tokens off the reference's choice, "
-                                                        f"worst by {worst_gap:.2f} nats", miss_share=miss_share,
-                             worst_gap=worst_gap, positions=positions, misses=misses)
+                return _fail(AuditFailure.WRONG_TOKENS, f"{misses}/{n} tokens off the reference's choice "
+                                                        f"({beyond} outside top_p), worst by {worst_gap:.2f} nats",
+                             miss_share=miss_share, worst_gap=worst_gap, positions=positions, misses=misses)
         else:
-            outside = ~(scores.logp > -math.inf)
+            outside = scores.outside
             miss_share = float(outside.sum()) / n
             if miss_share > bands.nucleus_miss_share:
                 return _fail(AuditFailure.IMPLAUSIBLE, f"{int(outside.sum())}/{n} tokens outside top_p",
