@@ -33,7 +33,8 @@ Requests carry the subnet sampler's seed, as the gateway sends them; ``--free-sa
 (sampled answers then judged by plausibility, as under ``--gateway.free-sampling``).
 
 Requests come from the ``cpu`` prompt mix (probes' shapes; a quarter greedy, the rest temperature
-0.2-1.2), seeded.
+0.2-1.2), seeded. ``--top-p P`` asks every sampled request for nucleus ``P``: the nucleus's edge is where
+two runtimes' numerics disagree most, and the mix asks for one only now and then.
 
 Example::
 
@@ -126,6 +127,8 @@ async def run(args: argparse.Namespace) -> int:
     async def produce() -> None:
         for kind, fn in plan:
             payload = prompts.payload("gemma")
+            if args.top_p is not None and not SamplingParams.of(payload).greedy:
+                payload["top_p"] = args.top_p
             if not args.free_sampling:  # as the gateway sends every request: the subnet sampler's seed
                 payload["seed"] = wire_seed(None, 0, rng.getrandbits(64))
             draw = rng.random()
@@ -327,7 +330,11 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="20 honest answers, 6 per cheat")
     p.add_argument("--free-sampling", action="store_true",
                    help="no sampler seed (as --gateway.free-sampling): sampled answers judged by plausibility")
+    p.add_argument("--top-p", dest="top_p", type=float, default=None,
+                   help="ask every sampled request for this nucleus (0 < P <= 1) instead of the mix's")
     args = p.parse_args()
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        p.error(f"--top-p must be within (0, 1], got {args.top_p}")
     if args.smoke:
         args.honest, args.per_cheat = 20, 6
     return asyncio.run(run(args))

@@ -13,15 +13,19 @@ from scoring.audit.sequential import SequentialTest
 
 
 def test_a_tight_honest_spread_keeps_the_defaults_and_a_wide_one_widens_them() -> None:
-    tight = HonestSpread(gaps=[0.0] * 5000 + [0.3], misses=0, positions=5001, z=[1.0, 2.5])
+    tight = HonestSpread(gaps=[0.0] * 5000 + [0.3], misses=0, positions=5001, z=[1.0, 2.5], nucleus_excess=[0.05])
     bands, test = bands_from(tight)
     assert bands == AuditBands() and test == SequentialTest()  # never narrower than the defaults
-    wide = HonestSpread(gaps=[0.0] * 990 + [0.6] * 10, misses=10, positions=1000, z=[6.0])
+    wide = HonestSpread(gaps=[0.0] * 990 + [0.6] * 10, misses=10, positions=1000, z=[6.0],
+                        nucleus_excess=[0.03, 0.12])  # a GPU runtime's nucleus edge further from the reference's
     bands, test = bands_from(wide)
     assert bands.greedy_gap == pytest.approx(0.75)  # 1.25x the honest 99.9th percentile
     assert bands.greedy_hard_gap >= 1.5 * 0.6 and bands.z_limit == pytest.approx(7.8)
+    assert bands.seeded_nucleus_slack == pytest.approx(0.15)  # 1.25x the farthest honest token beyond the nucleus
     assert test.p0 == pytest.approx(4 * 11 / 1001) and test.p1 == pytest.approx(10 * test.p0)
-    assert "near-tie 0.75" in describe(bands, test)
+    assert "near-tie 0.75" in describe(bands, test) and "nucleus slack 0.15" in describe(bands, test)
+    far = HonestSpread(gaps=[0.0], misses=0, positions=1, z=[], nucleus_excess=[0.7])
+    assert bands_from(far)[0].seeded_nucleus_slack == 0.5  # no wider: beyond it the nucleus is not checked at all
 
 
 def test_bands_round_trip_and_a_bad_file_is_refused_with_what_is_wrong(tmp_path: Path) -> None:

@@ -41,8 +41,9 @@ def answer(text: str = "Hello world", ids: tuple[int, ...] | None = (5, 6, 7), *
 
 def scores(n: int, *, gap: float = 0.0, z_shift: float = 0.0, stop_gap: float = 0.0,
            stop_logp: float = -0.1) -> ForcedScores:
-    return ForcedScores(gap=np.full(n, gap), outside=np.zeros(n, dtype=bool), logp=np.full(n, -1.0 + z_shift),
-                        mean=np.full(n, -1.0), var=np.full(n, 1.0), stop_gap=stop_gap, stop_logp=stop_logp)
+    return ForcedScores(gap=np.full(n, gap), outside=np.zeros(n, dtype=bool), nucleus_excess=np.zeros(n),
+                        logp=np.full(n, -1.0 + z_shift), mean=np.full(n, -1.0), var=np.full(n, 1.0),
+                        stop_gap=stop_gap, stop_logp=stop_logp)
 
 
 def checked(a: Answer) -> CheckedIds:
@@ -208,8 +209,8 @@ def test_verdict_decides_what_is_paid() -> None:
 def test_logit_noise_widens_the_band_at_low_temperature_only() -> None:
     """Batched and token-by-token logits differ a little; at T=0.2 that is amplified 5x (measured |z| 9.5)."""
     n = 40
-    s = ForcedScores(gap=np.zeros(n), outside=np.zeros(n, dtype=bool), logp=np.full(n, -1.2), mean=np.full(n, -1.0),
-                     var=np.full(n, 0.01), stop_gap=0.0, stop_logp=-0.1)
+    s = ForcedScores(gap=np.zeros(n), outside=np.zeros(n, dtype=bool), nucleus_excess=np.zeros(n),
+                     logp=np.full(n, -1.2), mean=np.full(n, -1.0), var=np.full(n, 0.01), stop_gap=0.0, stop_logp=-0.1)
     cold = answer(text="?" * n, ids=tuple([50] * n), temperature=0.2, finish="length", max_tokens=n)
     assert judge(cold, checked(cold), s, AuditBands(logit_noise=0.0)).failure == AuditFailure.IMPLAUSIBLE
     assert judge(cold, checked(cold), s, AuditBands(logit_noise=0.15)).passed

@@ -12,6 +12,8 @@ The rules from measurement to bands (:func:`bands_from`) never narrow the defaul
 * ``greedy_gap`` (the near-tie band) is at least 1.25x the 99.9th percentile of honest per-position gaps;
 * ``greedy_hard_gap`` is at least 1.5x the worst honest gap;
 * ``z_limit`` is at least 1.3x the largest honest |z| of free draws;
+* ``seeded_nucleus_slack`` is at least 1.25x the most probability mass an honest seeded token lay beyond its
+  asked nucleus (at most 0.5: a slack that wide no longer checks the nucleus at all);
 * the sequential test's ``p0`` is at least 4x the honest miss rate, counted with one extra miss so that
   zero misses is never read as a rate of zero; ``p1`` is 10x ``p0``.
 
@@ -35,6 +37,7 @@ from scoring.audit import AuditBands
 from scoring.audit.sequential import SequentialTest
 
 FORMAT = "tensorgate-audit-bands/1"
+_MAX_NUCLEUS_SLACK = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,7 @@ class HonestSpread:
     misses: int  # positions beyond the near-tie band the answers were judged with
     positions: int
     z: Sequence[float]  # |z| of free draws (empty when every request was seeded)
+    nucleus_excess: Sequence[float] = ()  # seeded tokens beyond their asked nucleus: the mass it must widen by
 
 
 def bands_from(spread: HonestSpread, base: AuditBands | None = None,
@@ -62,7 +66,10 @@ def bands_from(spread: HonestSpread, base: AuditBands | None = None,
     z_limit = max([base.z_limit] + [1.3 * z for z in spread.z if math.isfinite(z)])
     rate = (spread.misses + 1) / (spread.positions + 1)
     p0 = min(0.05, max(test.p0, 4.0 * rate))
-    bands = dataclasses.replace(base, greedy_gap=near_tie, greedy_hard_gap=hard, z_limit=z_limit)
+    excess = [e for e in spread.nucleus_excess if math.isfinite(e)]
+    slack = min(_MAX_NUCLEUS_SLACK, max([base.seeded_nucleus_slack] + [1.25 * e for e in excess]))
+    bands = dataclasses.replace(base, greedy_gap=near_tie, greedy_hard_gap=hard, z_limit=z_limit,
+                                seeded_nucleus_slack=slack)
     return bands, dataclasses.replace(test, p0=p0, p1=min(0.5, max(test.p1, 10.0 * p0)))
 
 
@@ -107,5 +114,6 @@ def _fields(cls: Any, raw: Any) -> Any:
 def describe(bands: AuditBands, test: SequentialTest) -> str:
     """One line for the validator's start log."""
     return (f"near-tie {bands.greedy_gap:.2f} nats, hard {bands.greedy_hard_gap:.2f} nats, "
-            f"misses allowed {bands.min_misses} (or {bands.greedy_miss_share:.0%}), z within ±{bands.z_limit:.1f}; "
+            f"misses allowed {bands.min_misses} (or {bands.greedy_miss_share:.0%}), z within ±{bands.z_limit:.1f}, "
+            f"nucleus slack {bands.seeded_nucleus_slack:.2f}; "
             f"sequential test p0 {test.p0:g}, p1 {test.p1:g}, threshold {test.threshold:g}")

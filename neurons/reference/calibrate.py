@@ -40,16 +40,17 @@ from .bands import HonestSpread, bands_from, describe, save_bands
 from .llama import replay_scored
 
 
-def spread_of(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> tuple[list[float], int, Verdict] | None:
-    """On the reference's thread: each determined position's gap, how many of its tokens lie outside the nucleus
-    (even widened by the bands' slack) and the verdict (None: too long to replay)."""
+def spread_of(engine: LlamaEngine, answer: Answer, bands: AuditBands
+              ) -> tuple[list[float], list[float], Verdict] | None:
+    """On the reference's thread: each determined position's gap, the probability mass by which each token beyond
+    its asked nucleus lay beyond it, and the verdict (None: too long to replay)."""
     scored = replay_scored(engine, answer, bands)
     if scored is None:
         return None
     verdict, scores = scored
     if scores is None or not (answer.sampling.greedy or answer.sampling.seeded):
-        return [], 0, verdict
-    return [float(g) for g in scores.gap], int(scores.outside.sum()), verdict
+        return [], [], verdict
+    return [float(g) for g in scores.gap], [float(e) for e in scores.nucleus_excess if e > 0], verdict
 
 
 def _model_file(name: str) -> Path:
@@ -93,7 +94,8 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
     prompts = PromptGenerator(random.Random(args.seed), MIXES[args.mix])
     gaps: list[float] = []
     zs: list[float] = []
-    misses = positions = failed = skipped = outside = 0
+    excess: list[float] = []
+    misses = positions = failed = skipped = 0
     t0 = time.monotonic()
     try:
         for i in range(args.answers):
@@ -111,9 +113,9 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
             if got is None:
                 skipped += 1
                 continue
-            answer_gaps, answer_outside, verdict = got
+            answer_gaps, answer_excess, verdict = got
             gaps += answer_gaps
-            outside += answer_outside
+            excess += answer_excess
             misses += verdict.misses
             positions += verdict.positions
             failed += not verdict.passed
@@ -127,12 +129,13 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
     if not positions and not zs:
         logger.error("no answer could be replayed ({} skipped): nothing to calibrate from", skipped)
         return 1
-    spread = HonestSpread(gaps=gaps, misses=misses, positions=positions, z=zs)
+    spread = HonestSpread(gaps=gaps, misses=misses, positions=positions, z=zs, nucleus_excess=excess)
+    outside = sum(e >= base.seeded_nucleus_slack for e in excess)
     bands, test = bands_from(spread)
     measured = {"miner": url, "miner_hotkey": hotkey, "reference": str(path), "answers": args.answers,
                 "replayed": args.answers - skipped, "positions": positions, "misses_at_default_band": misses,
                 "failed_at_default_bands": failed, "outside_nucleus_at_default_slack": outside,
-                "worst_gap": max(gaps, default=0.0),
+                "worst_nucleus_excess": max(excess, default=0.0), "worst_gap": max(gaps, default=0.0),
                 "max_abs_z": max(zs, default=0.0), "seconds": round(time.monotonic() - t0, 1),
                 "free_sampling": bool(args.free_sampling)}
     save_bands(Path(args.out), bands, test, measured=measured)

@@ -57,11 +57,12 @@ _BLOCK = 16  # rows per numpy pass: 16 x 262k float32 = 17 MB of temporaries at 
 # reference's numerics differ); tokens beyond it are ``outside``, and the verdict allows a share of them.
 _FREE_NUCLEUS_SLACK = 0.02
 # Seeded answers: how much probability mass the reference's nucleus is widened by (for the miner's token) and
-# narrowed by (for its best rival). Measured on 223 honest seeded answers with a nucleus (top_p 0.8-0.95,
-# temperature 0.2-1.2, 6,746 positions; Gemma 3 270M, llama.cpp token by token against the batched reference):
-# the two runtimes' nuclei disagreed at their edge by up to 0.11 of mass (0.21 at temperature 0.2). At 0.02,
-# 5 honest tokens fell outside the widened nucleus (5 answers, 2.2 %, failed outright) and one rival flipped by
-# 1.92 nats; at 0.1 none fell outside and one position missed by 0.51.
+# narrowed by (for its best rival). Measured with Gemma 3 270M on llama.cpp, an honest miner decoding token by
+# token against the batched reference, top_p 0.8-0.95, temperature 0.2-1.2: over 1,026 positions the two nuclei's
+# edges disagreed by up to 0.11 of mass (0.21 at temperature 0.2). Over 288 honest answers (9,091 positions), at
+# 0.02 seven tokens fell outside the widened nucleus (7 answers, 2.4 %, failed outright) and a rival flipped by
+# 1.92 nats; at 0.1 none fell outside and two positions missed, by 0.61 nats at most. A sampler that ignores
+# top_p misses at 2.0 % of its positions at 0.1 (79 answers), the rate the sequential test is tuned to catch.
 NUCLEUS_SLACK = 0.1
 
 
@@ -71,6 +72,9 @@ class ForcedScores:
 
     gap: FloatArray  # best raw logprob minus the chosen token's, >= 0
     outside: npt.NDArray[np.bool_]  # the chosen token is outside the asked nucleus, with the slack
+    # Seeded answers with a nucleus: the probability mass the asked nucleus would have to widen by to hold the
+    # chosen token (0 inside it). What an honest runtime shows here is what a calibration sets the slack from.
+    nucleus_excess: FloatArray
     logp: FloatArray  # chosen token's logprob under the asked distribution (-inf: outside the nucleus)
     mean: FloatArray  # expected logprob under that distribution
     var: FloatArray  # variance of the logprob under it
@@ -126,8 +130,8 @@ def force(logits: npt.ArrayLike, chosen: npt.ArrayLike, sampling: SamplingParams
     last = rows[n].astype(np.float64)
     stop_gap = float(last.max() - last[stops].max()) if stops else float("inf")
     stop_logp = _stop_logp(last, stops, 1.0 if sampling.greedy else sampling.temperature)
-    return ForcedScores(gap=gap, outside=~np.isfinite(logp), logp=logp, mean=mean, var=var, stop_gap=stop_gap,
-                        stop_logp=stop_logp)
+    return ForcedScores(gap=gap, outside=~np.isfinite(logp), nucleus_excess=np.zeros(n), logp=logp, mean=mean,
+                        var=var, stop_gap=stop_gap, stop_logp=stop_logp)
 
 
 def _stop_logp(last: FloatArray, stops: list[int], temp: float) -> float:
@@ -147,28 +151,30 @@ def _seeded(rows: npt.NDArray[np.float32], ids: npt.NDArray[np.int64], sampling:
     has no such flag: a stop beyond the widened nucleus is a stop the model did not choose (gap inf).
     """
     n = int(ids.shape[0])
-    temp, seed = sampling.temperature, sampling.seed
+    temp, seed, top_p = sampling.temperature, sampling.seed, sampling.top_p
     assert seed is not None
-    narrow = max(1e-6, sampling.top_p - slack) if sampling.top_p < 1.0 else 1.0
-    wide = min(1.0, sampling.top_p + slack) if sampling.top_p < 1.0 else 1.0
     gap = np.zeros(n)
-    outside = np.zeros(n, dtype=bool)
+    excess = np.zeros(n)
     for j in range(n):
-        gap[j], outside[j] = _below_best(rows[j].astype(np.float64), [int(ids[j])], temp, seed, j, narrow, wide)
+        gap[j], excess[j] = _below_best(rows[j].astype(np.float64), [int(ids[j])], temp, seed, j, top_p, slack)
     stop_gap = float("inf")
     if stops:
-        below, beyond = _below_best(rows[n].astype(np.float64), stops, temp, seed, n, narrow, wide)
-        stop_gap = float("inf") if beyond else below
-    return ForcedScores(gap=gap, outside=outside, logp=np.zeros(n), mean=np.zeros(n), var=np.zeros(n),
-                        stop_gap=stop_gap, stop_logp=_stop_logp(rows[n].astype(np.float64), stops, temp))
+        below, beyond = _below_best(rows[n].astype(np.float64), stops, temp, seed, n, top_p, slack)
+        stop_gap = float("inf") if beyond >= slack else below
+    return ForcedScores(gap=gap, outside=excess >= slack, nucleus_excess=excess, logp=np.zeros(n), mean=np.zeros(n),
+                        var=np.zeros(n), stop_gap=stop_gap,
+                        stop_logp=_stop_logp(rows[n].astype(np.float64), stops, temp))
 
 
-def _below_best(row: FloatArray, tokens: list[int], temp: float, seed: int, position: int, narrow: float,
-                wide: float) -> tuple[float, bool]:
-    """Nats (temperature 1) the best of ``tokens`` scores below the narrow nucleus's best, and whether every one
-    of ``tokens`` is outside the wide nucleus (the gap is then the best's, measured all the same).
+def _below_best(row: FloatArray, tokens: list[int], temp: float, seed: int, position: int, top_p: float,
+                slack: float) -> tuple[float, float]:
+    """Nats (temperature 1) the best of ``tokens`` scores below the best of the nucleus ``slack`` narrower than
+    asked, and the probability mass the asked nucleus must widen by to hold one of ``tokens`` (0: one is inside).
 
-    Only the tokens that can hold the best score are hashed (:func:`~gateway.protocol.sampling.best_seeded_score`).
+    A token is inside the nucleus ``p`` when the tokens more likely than it hold less than ``p`` (ties at the edge
+    are in, as :func:`~gateway.protocol.sampling.nucleus_edges` keeps them). Beyond the nucleus ``slack`` wider,
+    the gap is measured for all ``tokens`` all the same; within it, for those inside. Only the tokens that can
+    hold the best score are hashed (:func:`~gateway.protocol.sampling.best_seeded_score`).
     """
     scaled = row / temp
 
@@ -176,13 +182,15 @@ def _below_best(row: FloatArray, tokens: list[int], temp: float, seed: int, posi
         ids = np.array(ts, dtype=np.int64)
         return float((scaled[ids] + gumbel_at(seed, position, ids)).max())
 
-    if narrow >= 1.0:
-        return max(0.0, temp * (best_seeded_score(scaled, seed, position) - score_of(tokens))), False
+    if top_p >= 1.0:
+        return max(0.0, temp * (best_seeded_score(scaled, seed, position) - score_of(tokens))), 0.0
     lsm = log_softmax(scaled[None, :])[0]
-    narrow_edge, wide_edge = nucleus_edges(lsm, (narrow, wide))
-    allowed = [t for t in tokens if lsm[t] >= wide_edge]
+    probs = np.exp(lsm)
+    excess = {t: max(0.0, float(probs[lsm > lsm[t]].sum()) - top_p) for t in tokens}
+    allowed = [t for t in tokens if excess[t] < slack]
+    (narrow_edge,) = nucleus_edges(lsm, (max(1e-6, top_p - slack),))
     best = best_seeded_score(scaled, seed, position, lsm >= narrow_edge)
-    return max(0.0, temp * (best - score_of(allowed or tokens))), not allowed
+    return max(0.0, temp * (best - score_of(allowed or tokens))), min(excess.values())
 
 
 def _moments(z: npt.NDArray[np.float32], ids: npt.NDArray[np.int64]) -> tuple[FloatArray, FloatArray, FloatArray]:
