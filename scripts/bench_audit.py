@@ -26,8 +26,9 @@ Printed:
   ``--runs`` random orders: the audited tokens until it alarms (p50, p95), the share of runs caught within
   1,000 tokens (target >= 99 % for the Q2_K and Q3_K_M requantizations and the truncated prompt), and the honest
   runs that alarmed (target 0). Besides the cheats every audit must catch, the subtle ones are measured
-  here: ``warm`` (the temperature 0.1 too high, reported) and the packaged model requantized to Q3_K_M and
-  Q2_K with llama.cpp's quantizer, served with the subnet's sampler.
+  here: ``warm`` (the temperature 0.1 too high, reported), ``no-nucleus`` (the asked ``top_p`` ignored,
+  reported; run it with ``--top-p``, the mix rarely asks for one) and the packaged model requantized to Q3_K_M
+  and Q2_K with llama.cpp's quantizer, served with the subnet's sampler.
 
 Requests carry the subnet sampler's seed, as the gateway sends them; ``--free-sampling`` drops it
 (sampled answers then judged by plausibility, as under ``--gateway.free-sampling``).
@@ -66,7 +67,7 @@ def check(name: str, ok: bool, figure: str) -> bool:
     return ok
 
 from gateway.protocol.sampling import SamplingParams, wire_seed  # noqa: E402
-from neurons.miner.runtimes.cheats import CHEATS, requantized, warm  # noqa: E402
+from neurons.miner.runtimes.cheats import CHEATS, no_nucleus, requantized, warm  # noqa: E402
 from neurons.miner.runtimes.llama import Generate, answer_once  # noqa: E402
 from neurons.model.engine import EngineThread, LlamaEngine  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
@@ -99,7 +100,8 @@ def _generate(engine: LlamaEngine, payload: dict[str, Any], rng: random.Random, 
                   text=text, token_ids=tuple(ids), finish_reason=finish), dt
 
 
-SUBTLE: dict[str, Generate | None] = {"warm": warm, "Q3_K_M": None, "Q2_K": None}  # None: a requantized model
+SUBTLE: dict[str, Generate | None] = {"warm": warm, "no-nucleus": no_nucleus, "Q3_K_M": None,
+                                      "Q2_K": None}  # None: a requantized model
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -17,8 +17,8 @@ or with a cheaper setting of it, would try:
   the miner declares the subnet's sampler: a stock vLLM claiming the plugin, to be paid for free draws.
 
 Subtler ones, for the sequential test (``scripts/bench_audit.py``; not in :data:`CHEATS`, which every
-audit must catch answer by answer): :func:`warm` (the temperature 0.1 too high) and :func:`requantized`
-(the model at fewer bits, served honestly).
+audit must catch answer by answer): :func:`warm` (the temperature 0.1 too high), :func:`no_nucleus` (the
+asked ``top_p`` ignored) and :func:`requantized` (the model at fewer bits, served honestly).
 
 Example::
 
@@ -122,6 +122,14 @@ def warm(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, s
     """The subnet's sampler with the temperature 0.1 above the asked one (same seed): the smallest shift tried."""
     shifted = dataclasses.replace(sampling, temperature=sampling.temperature + 0.1)
     return decode(engine, engine.prompt_ids(messages), max_tokens, shifted, rng, cancel, put)
+
+
+def no_nucleus(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
+               rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
+    """The subnet's sampler over the whole vocabulary, the asked ``top_p`` ignored (same seed): the audit's nucleus
+    slack is what it hides in, so a token beyond it is a miss and only the sequential test sums them."""
+    whole = dataclasses.replace(sampling, top_p=1.0)
+    return decode(engine, engine.prompt_ids(messages), max_tokens, whole, rng, cancel, put)
 
 
 def own_rng(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
