@@ -229,9 +229,8 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
                 if traffic_task.done():
                     traffic_task.result()
                     raise RuntimeError("organic traffic ended")
-            # Give the weights loop its chance after the last round before exiting: up to one weights interval, since
-            # its last try may have come just before the round closed (on a loaded machine, with nothing to set yet).
-            await _await_weights(v, timeout_s=subnet.cfg.weights_interval_blocks * subnet.cfg.local_block_time + 2)
+            # Give the weights loop its chance after the last round before exiting.
+            await _await_weights(v, timeout_s=subnet.cfg.local_block_time * 3 + 2)
         finally:
             if traffic_task is not None:
                 traffic_task.cancel()
