@@ -219,6 +219,29 @@ async def test_weight_failure_is_logged_and_retried_never_fatal(tmp_path: Path) 
     await v.stop()
 
 
+async def test_a_try_with_nothing_to_set_holds_the_interval_only_until_the_next_round(tmp_path: Path) -> None:
+    """The first round with work to pay is paid at once: a try that found every miner at 0 does not make it wait a
+    whole interval (a local subnet of a few rounds beside a CPU hog ended with no weights that way)."""
+    chain = FakeChain([WeightsOutcome(ok=True, message="ok")])
+    v = await _validator_with_scores(tmp_path, chain)
+    values = {"m1": 0.0, "m2": 0.0}
+    v.scorer.settled_values = lambda: dict(values)  # type: ignore[method-assign]
+    await v.maybe_set_weights()  # nothing to set yet
+    assert chain.calls == []
+    chain.height += 5
+    values.update(m1=0.9, m2=0.3)
+    await v.maybe_set_weights()  # the same round: the interval holds (one "not setting" line an interval)
+    assert chain.calls == []
+    v.rounds_closed += 1
+    await v.maybe_set_weights()  # a round closed since: set at once, 5 blocks into a 100-block interval
+    assert len(chain.calls) == 1 and v.weights_set[0][0] == 1005
+    chain.height += 5
+    v.rounds_closed += 1
+    await v.maybe_set_weights()  # after weights were set, the interval holds whatever the rounds
+    assert len(chain.calls) == 1
+    await v.stop()
+
+
 async def test_dry_run_sets_nothing(tmp_path: Path) -> None:
     chain = FakeChain([])
     v = await _validator_with_scores(tmp_path, chain, weights_dry_run=True)

@@ -103,6 +103,7 @@ class Validator:
         self.weights_submitted = 0
         self.restarts: dict[str, int] = {}
         self._last_weights_block: int | None = None
+        self._nothing_to_set_at_round: int | None = None  # rounds_closed when the last try found no weights to set
         self._tasks: list[asyncio.Task[None]] = []
         self._corpus_task: asyncio.Task[None] | None = None
         self._weights_failures = 0  # refusals in a row (backoff: next block, then 2, 4, ... up to an interval)
@@ -403,12 +404,25 @@ class Validator:
         for _ in range(min(len(outcomes), len(pending))):
             pending.popleft()  # saved; outcomes that arrived during the save stay for the next round
 
+    def _interval_holds(self, block: int) -> bool:
+        """Whether the weights interval since the last try still holds at ``block``.
+
+        A try that found nothing to set holds it (one log line an interval) only until another round closes: the
+        first round with work to pay is paid at once, not up to an interval later (a local subnet asked for a few
+        rounds could stop before then, beside a CPU hog, with no weights at all).
+        """
+        last = self._last_weights_block
+        if last is None or block - last >= self.cfg.weights_interval_blocks:
+            return False
+        empty_at = self._nothing_to_set_at_round
+        return empty_at is None or self.rounds_closed <= empty_at
+
     async def maybe_set_weights(self) -> None:
         """Set weights when the interval has passed and the chain's rate limit allows; never fatal."""
         if not self.rounds_closed:
             return
         block = await self.chain.block()
-        if self._last_weights_block is not None and block - self._last_weights_block < self.cfg.weights_interval_blocks:
+        if self._interval_holds(block):
             return
         if block < self._retry_weights_at:
             return
@@ -426,7 +440,9 @@ class Validator:
         if not weights:
             logger.info("not setting weights: {}", why_empty(self.scorer.payable(quarantined), self.hotkey_to_uid))
             self._last_weights_block = block
+            self._nothing_to_set_at_round = self.rounds_closed
             return
+        self._nothing_to_set_at_round = None
         if self.cfg.weights_dry_run:
             logger.info("dry run: would set weights at block {}: {}", block, _fmt_weights(weights))
             self._last_weights_block = block
