@@ -71,7 +71,9 @@ class ForcedScores:
     """Per-position numbers for one answer (length n) and its stop row."""
 
     gap: FloatArray  # best raw logprob minus the chosen token's, >= 0
-    outside: npt.NDArray[np.bool_]  # the chosen token is outside the asked nucleus, with the slack
+    # The chosen token is outside the asked nucleus even widened for numerics (seeded answers: by the bands' slack;
+    # free draws: by _FREE_NUCLEUS_SLACK, where its logp is -inf).
+    outside: npt.NDArray[np.bool_]
     # Seeded answers with a nucleus: the probability mass the asked nucleus would have to widen by to hold the
     # chosen token (0 inside it). What an honest runtime shows here is what a calibration sets the slack from.
     nucleus_excess: FloatArray

@@ -126,8 +126,8 @@ def warm(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, s
 
 def no_nucleus(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
                rng: random.Random, cancel: threading.Event, put: Put) -> str | None:
-    """The subnet's sampler over the whole vocabulary, the asked ``top_p`` ignored (same seed): the audit's nucleus
-    slack is what it hides in, so a token beyond it is a miss and only the sequential test sums them."""
+    """The subnet's sampler over the whole vocabulary, the asked ``top_p`` ignored (same seed). What the audit's
+    nucleus slack could hide: its tokens within the slack pass, those beyond it are misses the sequential test sums."""
     whole = dataclasses.replace(sampling, top_p=1.0)
     return decode(engine, engine.prompt_ids(messages), max_tokens, whole, rng, cancel, put)
 
