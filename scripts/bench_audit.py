@@ -72,7 +72,7 @@ from neurons.miner.runtimes.llama import Generate, answer_once  # noqa: E402
 from neurons.model.engine import EngineThread, LlamaEngine  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
 from neurons.reference.llama import LlamaReference  # noqa: E402
-from neurons.validator.prompts import MIXES, PromptGenerator  # noqa: E402
+from neurons.validator.prompts import MIXES, PromptGenerator, asking_nucleus  # noqa: E402
 from scoring.audit import AuditBands, StrikePolicy, Verdict  # noqa: E402
 from scoring.audit.sequential import SequentialTest  # noqa: E402
 from scoring.measurement import Answer  # noqa: E402
@@ -129,8 +129,8 @@ async def run(args: argparse.Namespace) -> int:
     async def produce() -> None:
         for kind, fn in plan:
             payload = prompts.payload("gemma")
-            if args.top_p is not None and not SamplingParams.of(payload).greedy:
-                payload["top_p"] = args.top_p
+            if args.top_p is not None:
+                payload = asking_nucleus(payload, args.top_p)
             if not args.free_sampling:  # as the gateway sends every request: the subnet sampler's seed
                 payload["seed"] = wire_seed(None, 0, rng.getrandbits(64))
             draw = rng.random()

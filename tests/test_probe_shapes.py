@@ -5,10 +5,12 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+
 from gateway.protocol.openai import SchemaLimits, parse_chat_request
 from gateway.protocol.tokens import estimate_prompt_tokens
 from neurons.validator.corpus import stdlib_passages
-from neurons.validator.prompts import _ASKS, PromptGenerator
+from neurons.validator.prompts import _ASKS, PromptGenerator, asking_nucleus
 from neurons.validator.shapes import ShapeSample
 
 LIMITS = SchemaLimits(models=("m",))
@@ -147,3 +149,16 @@ def test_the_validator_replays_only_when_its_operator_lets_it() -> None:
         parts.gateway.on_request(req)
     assert on.prompts.replays is not None and len(on.prompts.replays) == 1
     assert off.prompts.replays is None
+
+
+def test_asking_a_nucleus_changes_sampled_requests_only() -> None:
+    """What ``--top-p`` of the calibration and the audit benchmark sends: every sampled request with that nucleus."""
+    greedy = {"model": "m", "messages": [], "temperature": 0.0}
+    assert asking_nucleus(greedy, 0.8) is greedy  # greedy stays greedy: no nucleus to ask for
+    default = {"model": "m", "messages": []}  # no temperature: sampled at 1.0
+    assert asking_nucleus(default, 0.8)["top_p"] == 0.8 and "top_p" not in default  # a copy, the draw kept
+    assert asking_nucleus({"temperature": 0.7, "top_p": 0.95}, 0.8)["top_p"] == 0.8
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="top_p"):
+            asking_nucleus(default, bad)
+

@@ -389,7 +389,8 @@ async def test_calibration_against_an_honest_miner_writes_bands_the_validator_lo
     out = tmp_path / "bands.json"
     try:
         rc = await asyncio.to_thread(calibrate_main, ["--miner", f"http://127.0.0.1:{port}", "--dev-key", "Alice",
-                                                      "--answers", "6", "--out", str(out), "--context", "2048"])
+                                                      "--answers", "6", "--out", str(out), "--context", "2048",
+                                                      "--top-p", "0.9"])  # the nucleus slack measured too
     finally:
         await runner.cleanup()
         await rt.aclose()
@@ -401,9 +402,13 @@ async def test_calibration_against_an_honest_miner_writes_bands_the_validator_lo
     # a token beyond the widened nucleus is one of the misses (never a failure by itself)
     assert 0.0 <= measured["worst_nucleus_excess"] < 0.5
     assert measured["outside_nucleus_at_default_slack"] <= measured["misses_at_default_band"]
+    assert measured["top_p"] == 0.9
     with pytest.raises(SystemExit) as no_key:  # no key to sign with: says what to pass
         calibrate_main(["--miner", "http://127.0.0.1:1", "--out", str(out)])
     assert no_key.value.code == 2
+    with pytest.raises(SystemExit) as bad_nucleus:
+        calibrate_main(["--miner", "http://127.0.0.1:1", "--out", str(out), "--dev-key", "Alice", "--top-p", "0"])
+    assert bad_nucleus.value.code == 2
 
 
 # -- tools in the subnet's tool format (issue 27) -----------------------------------------------

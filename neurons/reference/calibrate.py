@@ -77,7 +77,7 @@ async def _miner_hotkey(session: aiohttp.ClientSession, url: str) -> str:
 
 
 async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
-    from ..validator.prompts import MIXES, PromptGenerator
+    from ..validator.prompts import MIXES, PromptGenerator, asking_nucleus
 
     url = args.miner if "://" in args.miner else f"http://{args.miner}"
     async with aiohttp.ClientSession() as session:
@@ -103,7 +103,8 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
             if lease is None:
                 raise RuntimeError("the miner is not routable")
             try:
-                m = await upstream.probe(lease, prompts.payload(args.served_model))
+                payload = prompts.payload(args.served_model)
+                m = await upstream.probe(lease, payload if args.top_p is None else asking_nucleus(payload, args.top_p))
             finally:
                 router.release(lease)
             if not m.ok or m.answer is None:
@@ -137,7 +138,7 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
                 "failed_at_default_bands": failed, "outside_nucleus_at_default_slack": outside,
                 "worst_nucleus_excess": max(excess, default=0.0), "worst_gap": max(gaps, default=0.0),
                 "max_abs_z": max(zs, default=0.0), "seconds": round(time.monotonic() - t0, 1),
-                "free_sampling": bool(args.free_sampling)}
+                "free_sampling": bool(args.free_sampling), "top_p": args.top_p}
     save_bands(Path(args.out), bands, test, measured=measured)
     logger.info("honest spread: {} positions, {} off the default near-tie band ({} outside the nucleus), worst gap "
                 "{:.2f}; {} answers of {} failed the default bands", positions, misses, outside, max(gaps, default=0.0),
@@ -157,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model name put in the requests")
     p.add_argument("--mix", choices=("cpu", "gpu"), default="cpu", help="prompt sizes (neurons.validator.prompts)")
     p.add_argument("--free-sampling", action="store_true", help="no sampler seed (as --gateway.free-sampling)")
+    p.add_argument("--top-p", dest="top_p", type=float, default=None,
+                   help="ask every sampled request for this nucleus (0 < P <= 1): the mix asks for one only now and "
+                        "then, and the nucleus slack is measured where one is asked")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.answers < 1:
         p.error("--answers must be >= 1")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        p.error(f"--top-p must be within (0, 1], got {args.top_p}")
     if not args.dev_key and not args.wallet_name:
         p.error("sign with a validator's hotkey: --wallet.name (and --wallet.hotkey), or --dev-key NAME locally")
     logger.remove()

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.protocol.sampling import SamplingParams
+
 from .replays import ReplaySample
 from .shapes import RequestShape, ShapeSample
 
@@ -209,3 +211,13 @@ class PromptGenerator:
         return {"model": model, "messages": self.messages(), "max_tokens": max_tokens, **self._sampling(),
                 "stream": True}
 
+
+def asking_nucleus(payload: dict[str, Any], top_p: float) -> dict[str, Any]:
+    """``payload`` with a sampled request asking for nucleus ``top_p`` (a greedy one stays as it is).
+
+    The mix asks for a nucleus only now and then, and a nucleus's edge is where two runtimes' numerics disagree
+    most: a calibration or a benchmark that measures that spread asks for one on every sampled request.
+    """
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be within (0, 1], got {top_p!r}")
+    return payload if SamplingParams.of(payload).greedy else {**payload, "top_p": top_p}
