@@ -390,7 +390,8 @@ async def test_calibration_against_an_honest_miner_writes_bands_the_validator_lo
     try:
         rc = await asyncio.to_thread(calibrate_main, ["--miner", f"http://127.0.0.1:{port}", "--dev-key", "Alice",
                                                       "--answers", "6", "--out", str(out), "--context", "2048",
-                                                      "--top-p", "0.9"])  # the nucleus slack measured too
+                                                      "--top-p", "0.9",  # the nucleus slack measured too
+                                                      "--seed", "4"])  # its first request is sampled
     finally:
         await runner.cleanup()
         await rt.aclose()
@@ -403,6 +404,7 @@ async def test_calibration_against_an_honest_miner_writes_bands_the_validator_lo
     assert 0.0 <= measured["worst_nucleus_excess"] < 0.5
     assert measured["outside_nucleus_at_default_slack"] <= measured["misses_at_default_band"]
     assert measured["top_p"] == 0.9
+    assert measured["free_draws"] == 0  # the sampler read from /health: the first sampled answer is seeded too
     with pytest.raises(SystemExit) as no_key:  # no key to sign with: says what to pass
         calibrate_main(["--miner", "http://127.0.0.1:1", "--out", str(out)])
     assert no_key.value.code == 2

@@ -67,13 +67,16 @@ class _Collect:
         self.items.append(m)
 
 
-async def _miner_hotkey(session: aiohttp.ClientSession, url: str) -> str:
+async def _miner_identity(session: aiohttp.ClientSession, url: str) -> tuple[str, str | None]:
+    """The miner's hotkey and the sampler it declares (its ``/health``, as a validator reads with its offer): without
+    the sampler its first sampled answer would be sent no seed, and judged as a free draw."""
     async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
         body = await r.json(content_type=None)
     hotkey = body.get("hotkey") if isinstance(body, dict) else None
     if not isinstance(hotkey, str) or not hotkey:
         raise RuntimeError(f"{url}/health names no hotkey (is it a tensorgate miner?)")
-    return hotkey
+    sampler = body.get("sampler")
+    return hotkey, sampler if isinstance(sampler, str) else None
 
 
 async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
@@ -81,9 +84,11 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
 
     url = args.miner if "://" in args.miner else f"http://{args.miner}"
     async with aiohttp.ClientSession() as session:
-        hotkey = await _miner_hotkey(session, url)
+        hotkey, sampler = await _miner_identity(session, url)
     router = Router()
     router.sync([Candidate(uid=1, hotkey=hotkey, endpoint=url.split("://", 1)[1].rstrip("/"), slots=1)])
+    for miner in router.miners():
+        Upstream.learn_sampler(miner, sampler)
     sink = _Collect()
     upstream = Upstream(MinerClient(), RequestSigner(keypair), sink,
                         limits=UpstreamLimits(keep_answers=True, seeded_sampling=not args.free_sampling))
@@ -95,7 +100,7 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
     gaps: list[float] = []
     zs: list[float] = []
     excess: list[float] = []
-    misses = positions = failed = skipped = 0
+    misses = positions = failed = skipped = free = 0
     t0 = time.monotonic()
     try:
         for i in range(args.answers):
@@ -122,6 +127,7 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
             failed += not verdict.passed
             if verdict.z is not None:
                 zs.append(abs(verdict.z))
+                free += 1
             if (i + 1) % 50 == 0:
                 logger.info("{} of {} answers replayed", i + 1, args.answers)
     finally:
@@ -138,7 +144,7 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
                 "failed_at_default_bands": failed, "outside_nucleus_at_default_slack": outside,
                 "worst_nucleus_excess": max(excess, default=0.0), "worst_gap": max(gaps, default=0.0),
                 "max_abs_z": max(zs, default=0.0), "seconds": round(time.monotonic() - t0, 1),
-                "free_sampling": bool(args.free_sampling), "top_p": args.top_p}
+                "free_sampling": bool(args.free_sampling), "free_draws": free, "top_p": args.top_p}
     save_bands(Path(args.out), bands, test, measured=measured)
     logger.info("honest spread: {} positions, {} off the default near-tie band ({} outside the nucleus), worst gap "
                 "{:.2f}; {} answers of {} failed the default bands", positions, misses, outside, max(gaps, default=0.0),
