@@ -39,6 +39,8 @@ from loguru import logger
 
 from .http.client import MinerClient
 from .protocol.openai import FEATURES
+from .protocol.untrusted import UntrustedJSONError
+from .protocol.untrusted import loads as untrusted_json
 from .router import MinerState, Router
 from .upstream import Upstream
 
@@ -80,9 +82,9 @@ def read_offer(body: bytes, signature: str | None, hotkey: str) -> Offer:
     if not ok:
         raise OfferError("signature does not verify with the miner's hotkey")
     try:
-        obj = json.loads(body)
-    except ValueError:
-        raise OfferError("body is not JSON") from None
+        obj = untrusted_json(body, max_bytes=MAX_HEALTH_BYTES)
+    except UntrustedJSONError as e:
+        raise OfferError(f"body is not JSON this validator reads ({e})") from None
     if not isinstance(obj, dict) or obj.get("hotkey") != hotkey:
         raise OfferError("the body names another hotkey")
     models = obj.get("models") or []
@@ -128,6 +130,10 @@ async def refresh_offers(router: Router, client: MinerClient, *, concurrency: in
                 offer = UNDECLARED
                 counts["undeclared"] += 1
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+                counts["kept"] += 1
+                return
+            except Exception as e:  # whatever one miner's answer raises is that miner's alone
+                logger.warning("uid {}: reading its /health failed unexpectedly ({!r}); its offer is kept", m.uid, e)
                 counts["kept"] += 1
                 return
         router.learn_offer(m, offer.models, offer.features)

@@ -23,7 +23,7 @@ from tests.redis_server import RedisServer
 API_KEY = "sk-test-0123456789"
 # Short deadlines so fault tests end quickly, yet generous enough for a loaded 2-core machine.
 FAST = UpstreamTimeouts(connect=2.0, first_token=1.0, stall=0.8, total=15.0)
-_URIS = ["//Bob", "//Charlie", "//Dave", "//Eve", "//Ferdie", *(f"//Miner{i}" for i in range(6, 11))]
+_URIS = ["//Bob", "//Charlie", "//Dave", "//Eve", "//Ferdie", *(f"//Miner{i}" for i in range(6, 13))]
 
 
 @pytest.fixture(scope="session")

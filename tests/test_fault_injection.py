@@ -1,7 +1,7 @@
 """Fault injection at smoke scale (issue 15's proof): hostile miners and hostile clients at once, seeded.
 
-Miners fault before the first byte (500, garbage, hanging, a 200 whose head the gateway refuses: gzip, not
-an event stream) and after it (drops, stalls), next to honest ones; clients read normally, walk away
+Miners fault before the first byte (500, garbage, JSON nested 5,000 deep, hanging, a 200 whose head the gateway
+refuses: gzip, not an event stream) and after it (drops, stalls), next to honest ones; clients read normally, walk away
 mid-stream or before the answer, read slowly, send malformed bodies (lone surrogates included), stall
 their body, or send an oversized head. Whatever the mix, these hold, and the counts per class are printed (``-s``):
 
@@ -39,6 +39,7 @@ FAULTY = {
     "drop-": Script("drop_after", tokens=8, after=3),
     "stall-": Script("stall_after", tokens=8, after=3),
     "nan-": Script("nan"),
+    "deep-": Script("deep_json"),  # a chunk nested past the decoder's recursion limit: garbage, not a crash
     "gzip-": Script("gzip"),  # a 200 whose head the gateway refuses: its connection must still be closed
     "not-sse-": Script("not_sse"),
 }

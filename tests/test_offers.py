@@ -137,3 +137,58 @@ async def test_a_request_using_a_feature_goes_only_to_miners_that_declared_it(ma
                            "max_tokens": 3, "logprobs": True}) as r:
             assert r.status == 200 and r.headers["X-Tensorgate-Miner-Uid"] == "2"
     assert plain.requests == 0 and rich.requests == 6
+
+
+def _deep_health(hotkey: str, levels: int = 7000) -> bytes:
+    """A /health a hostile miner signs: its hotkey, and a field nested ``levels`` deep (14 kB at 7,000)."""
+    return b'{"hotkey": "' + hotkey.encode() + b'", "models": ' + b"[" * levels + b"]" * levels + b"}"
+
+
+def test_a_deeply_nested_health_declares_nothing_and_raises_nothing_else() -> None:
+    """Issue 39 (1): 7,000 nested brackets under the size cap raised RecursionError out of read_offer."""
+    body = _deep_health(BOB.ss58_address)
+    assert len(body) < 16 * 1024
+    with pytest.raises(OfferError, match="nested deeper"):
+        read_offer(body, "0x" + bytes(BOB.sign(body)).hex(), BOB.ss58_address)
+
+
+async def test_a_miner_with_a_deeply_nested_health_cannot_stop_the_validators_start(make_miner, tmp_path) -> None:
+    from neurons.chain.base import ChainParams, NeuronInfo
+    from neurons.keys import dev_keypair
+    from neurons.validator.build import build_validator
+    from neurons.validator.config import ValidatorConfig
+
+    hostile, honest = await make_miner(tag="deep"), await make_miner(tag="ok")
+    hostile.raw_health = _deep_health(hostile.hotkey)
+    alice = dev_keypair("Alice")
+
+    class Chain:
+        netuid = 1
+
+        async def metagraph(self) -> list[NeuronInfo]:
+            def n(uid: int, hotkey: str, endpoint: str | None, stake: float = 0.0) -> NeuronInfo:
+                return NeuronInfo(uid=uid, hotkey=hotkey, endpoint=endpoint, validator_permit=stake > 0,
+                                  validator_trust=0.0, stake=stake)
+
+            return [n(0, alice.ss58_address, None, 1e4), n(1, hostile.hotkey, hostile.endpoint),
+                    n(2, honest.hotkey, honest.endpoint)]
+
+        async def params(self) -> ChainParams:
+            return ChainParams(tempo=360, weights_rate_limit=10, commit_reveal=False, max_weight_limit=1.0,
+                               min_allowed_weights=1, block_time=12.0)
+
+        async def block(self) -> int:
+            return 1
+
+        async def close(self) -> None:
+            return None
+
+    v = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0, audit_off=True), Chain(),  # type: ignore[arg-type]
+                        alice)
+    try:
+        await v.start()  # raised RecursionError here before the fix: the validator exited 1
+        m = {x.uid: x for x in v.router.miners()}
+        assert not m[1].models and not m[1].features  # undeclared: serves the subnet's model, plain chat
+        assert m[2].features == honest.features  # the honest miner's offer is read as usual
+    finally:
+        await v.stop()

@@ -265,6 +265,8 @@ def parse_chunk(data: str | bytes, max_content_chars: int = 4096) -> ChunkInfo:
         raise SSEGarbage(f"chunk: {e}") from None
     except msgspec.DecodeError as e:
         raise SSEGarbage(f"invalid JSON: {e}") from None
+    except RecursionError:  # a nest deeper than the interpreter's limit (in a field the schema skips): the miner's
+        raise SSEGarbage("invalid JSON: nested too deeply") from None
     choices = obj.choices
     if not choices:
         if choices is None:

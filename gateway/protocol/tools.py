@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .tokens import message_text
+from .untrusted import loads as untrusted_json
 
 TOOL_FORMAT = "tensorgate-tools/1"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -47,7 +48,7 @@ def _dumps(obj: Any) -> str:
 def call_text(name: str, arguments: str) -> str:
     """One call as the model writes it; arguments that are not a JSON object stay as the string they were."""
     try:
-        args: Any = json.loads(arguments)
+        args: Any = untrusted_json(arguments)
     except ValueError:
         args = arguments
     return f"{OPEN}\n{_dumps({'name': name, 'arguments': args})}\n{CLOSE}"
@@ -106,7 +107,7 @@ def parse_tool_calls(text: str) -> list[Call] | None:
             return None
         end = m.end()
         try:
-            obj = json.loads(m.group(1))
+            obj = untrusted_json(m.group(1))
         except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(
@@ -123,7 +124,7 @@ def same_calls(a: Sequence[Call], b: Sequence[Call]) -> bool:
     """The same calls: names equal, arguments equal as JSON (a runtime may re-serialise them)."""
     def norm(args: str) -> Any:
         try:
-            return json.loads(args)
+            return untrusted_json(args)
         except ValueError:
             return args
     return len(a) == len(b) and all(x[0] == y[0] and norm(x[1]) == norm(y[1]) for x, y in zip(a, b, strict=True))

@@ -6,11 +6,10 @@ it names one of the runtime codes for that (:func:`client_fault`). Every other f
 
 from __future__ import annotations
 
-import json
-
 from scoring.measurement import FailureReason, Measurement
 
 from ..protocol.errors import CLIENT_FAULT_CODES
+from ..protocol.untrusted import loads as untrusted_json
 
 REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
 
@@ -41,7 +40,7 @@ def client_fault(status: int, body: bytes) -> str | None:
     if status != 400:
         return None
     try:
-        err = json.loads(body).get("error")
+        err = untrusted_json(body).get("error")
     except (ValueError, AttributeError):
         return None
     if not isinstance(err, dict) or err.get("code") not in CLIENT_FAULT_CODES:

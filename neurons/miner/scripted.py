@@ -32,7 +32,7 @@ from typing import Any
 import bittensor as bt
 from aiohttp import web
 
-from gateway.offers import signed_health
+from gateway.offers import SIGNATURE_HEADER, signed_health
 from gateway.protocol.errors import error_body
 from gateway.protocol.openai import CHAT_PATH, SAMPLER_HEADER, SLOTS_HEADER, SUBNET_SAMPLER, requested_max_tokens
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
@@ -63,6 +63,7 @@ BEHAVIORS = (
     "invalid_utf8",  # bytes that are not UTF-8
     "long_line",  # one enormous line without a newline
     "wrong_shape",  # valid JSON, not a chunk
+    "deep_json",  # a chunk with a field nested 5,000 levels deep (past the decoder's recursion limit)
     "overlong",  # ignores max_tokens: sends ``tokens`` regardless
     "empty",  # prelude, finish, [DONE], no content
     "no_done",  # finish + usage, then closes without [DONE]
@@ -76,6 +77,7 @@ _FAULT_FRAMES = {
     "invalid_utf8": b'data: {"choices": [{"delta": {"content": "\xff\xfe"}}]}\n\n',
     "long_line": b"data: " + b"a" * (256 * 1024),
     "wrong_shape": b'data: {"choices": "nope"}\n\n',
+    "deep_json": b'data: {"choices": [], "x": ' + b"[" * 5000 + b"]" * 5000 + b"}\n\n",
 }
 HANG_S = 60.0  # "forever" for a misbehaving miner: far past any deadline a test or benchmark sets
 
@@ -125,6 +127,7 @@ class FakeMiner:
         self.sampler: str | None = SUBNET_SAMPLER  # declared on answers (SAMPLER_HEADER); None: declares none
         self.models = tuple(models)  # declared in the signed /health (gateway.offers); none: the subnet's model
         self.features = frozenset(features)
+        self.raw_health: bytes | None = None  # served (signed) in place of the /health this miner would write
         self.tag = tag
         self.allow_unsigned = allow_unsigned
         self.keep_bodies = keep_bodies
@@ -174,6 +177,9 @@ class FakeMiner:
     # -- the contract ------------------------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.raw_health is not None:  # whatever bytes a hostile miner signs
+            sig = {SIGNATURE_HEADER: "0x" + bytes(self.keypair.sign(self.raw_health)).hex()}
+            return web.Response(body=self.raw_health, content_type="application/json", headers=sig)
         c = self.counters
         body, headers = signed_health(self.keypair, {
             "status": "ok", "slots": self.slots, "busy": self.active, "models": list(self.models),
