@@ -24,7 +24,7 @@ import json
 import math
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +33,7 @@ from loguru import logger
 
 from scoring.pay import RoundPay
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DEFAULT_FILENAME = "scoring.sqlite"
 
 _SCHEMA = """
@@ -101,7 +101,21 @@ ALTER TABLE round_miners ADD COLUMN audits_passed INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE round_miners ADD COLUMN audits_failed INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE round_miners ADD COLUMN quarantined INTEGER NOT NULL DEFAULT 0;
 """
-_TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits", "key_usage"})
+# Schema 5: every measurement counted exactly once across kill -9 (issue 39). Without Redis, each measurement taken
+# in is journaled (``intake``) until the round holding it is saved, which deletes it in the same transaction; with
+# Redis, the stream entries a saved round holds are listed (``counted``) in that transaction until Redis
+# acknowledges them, so entries read again after a kill between the save and the acknowledgement are not recounted.
+_SCHEMA_5 = """
+CREATE TABLE intake (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    m BLOB NOT NULL
+);
+CREATE TABLE counted (
+    ref TEXT PRIMARY KEY,
+    idx INTEGER NOT NULL
+);
+"""
+_TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits", "key_usage", "intake", "counted"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +275,7 @@ class ScoreStore:
                     self.path, f"an SQLite file with unknown tables {sorted(tables)} and no tensorgate schema"
                 )
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA + _SCHEMA_2 + _SCHEMA_3 + _SCHEMA_4 +
+                conn.executescript("BEGIN;" + _SCHEMA + _SCHEMA_2 + _SCHEMA_3 + _SCHEMA_4 + _SCHEMA_5 +
                                    f"PRAGMA user_version = {SCHEMA_VERSION};")
             logger.info("scoring state: created {} (schema {})", self.path, SCHEMA_VERSION)
             return
@@ -280,7 +294,13 @@ class ScoreStore:
         if version == 3:
             with self._tx(conn):
                 conn.executescript("BEGIN;" + _SCHEMA_4 + "PRAGMA user_version = 4;")
+            version = 4
             logger.info("scoring state: {} migrated from schema 3 to 4 (verified and held pay)", self.path)
+        if version == 4:
+            with self._tx(conn):
+                conn.executescript("BEGIN;" + _SCHEMA_5 + "PRAGMA user_version = 5;")
+            tables |= {"intake", "counted"}
+            logger.info("scoring state: {} migrated from schema 4 to 5 (measurements counted once)", self.path)
         missing = _TABLES - tables
         if missing:
             raise CorruptStateError(self.path, f"schema {version} but tables {sorted(missing)} are missing")
@@ -322,8 +342,15 @@ class ScoreStore:
         rnd: StoredRound,
         routing: Mapping[str, float],
         routing_uids: Mapping[str, int] | None = None,
+        *,
+        intake: Sequence[int] = (),
+        counted: Sequence[str] = (),
     ) -> None:
-        """Persist one closed round and the routing credits republished with it, atomically."""
+        """Persist one closed round and the routing credits republished with it, atomically.
+
+        ``intake``: the journal ids (:meth:`take_in`) of the measurements the round holds, deleted with it;
+        ``counted``: the shared stream's entries it holds, listed with it until :meth:`forget_counted`.
+        """
         uids = routing_uids or {}
         rows = [
             (
@@ -350,6 +377,9 @@ class ScoreStore:
             self._set_meta(c, "last_round_at", rnd.ended_at)
             self._set_meta(c, "routing_at", rnd.ended_at)
             c.execute("DELETE FROM rounds WHERE idx <= ?", (rnd.index - self.keep_rounds,))
+            c.executemany("DELETE FROM intake WHERE id = ?", [(int(i),) for i in intake])
+            c.executemany("INSERT OR IGNORE INTO counted (ref, idx) VALUES (?, ?)",
+                          [(str(r), rnd.index) for r in counted])
 
     def load_rounds(self, limit: int) -> list[StoredRound]:
         """The last ``limit`` rounds, oldest first."""
@@ -391,6 +421,28 @@ class ScoreStore:
             scores = {str(hk): float(s) for hk, s in c.execute("SELECT hotkey, score FROM routing")}
         at = self._get_meta("routing_at")
         return scores, (None if at is None else float(at))
+
+    # -- exactly once: the intake journal and the counted stream entries ---------------------------
+
+    def take_in(self, blobs: Sequence[bytes]) -> list[int]:
+        """Journal measurements (encoded by the caller) until a saved round holds them; returns their ids."""
+        with self._tx(begin=True) as c:
+            return [int(c.execute("INSERT INTO intake (m) VALUES (?)", (b,)).lastrowid or 0) for b in blobs]
+
+    def taken_in(self) -> list[tuple[int, bytes]]:
+        """The journaled measurements no saved round holds yet, oldest first: what a restart scores again."""
+        with self._reading() as c:
+            return [(int(i), bytes(b)) for i, b in c.execute("SELECT id, m FROM intake ORDER BY id")]
+
+    def counted_refs(self) -> set[str]:
+        """Stream entries saved rounds hold that Redis may not have acknowledged: never to be counted again."""
+        with self._reading() as c:
+            return {str(r[0]) for r in c.execute("SELECT ref FROM counted")}
+
+    def forget_counted(self, refs: Sequence[str]) -> None:
+        """Entries Redis acknowledged: it will not deliver them again."""
+        with self._tx(begin=True) as c:
+            c.executemany("DELETE FROM counted WHERE ref = ?", [(str(r),) for r in refs])
 
     # -- audits ----------------------------------------------------------------------------------
 

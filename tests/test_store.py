@@ -258,11 +258,20 @@ def test_audits_and_strikes_round_trip_and_are_bounded(tmp_path: Path) -> None:
         assert st.load_strikes() == {"hk0": {"recent": [0, 0], "quarantined_at": 7.0, "clean_run": 0}}
 
 
-@pytest.mark.parametrize("old", [1, 2, 3])
+@pytest.mark.parametrize("old", [1, 2, 3, 4])
 def test_an_older_file_is_migrated_without_losing_rounds(tmp_path: Path, old: int) -> None:
     path = tmp_path / "v.sqlite"
     with ScoreStore(path) as st:
         st.save_round(make_round(1), routing={"hk0": 0.3})
+        st._conn.execute("DROP TABLE intake")  # what schema 4 looks like
+        st._conn.execute("DROP TABLE counted")
+        if old == 4:
+            st._conn.execute("PRAGMA user_version = 4")
+            st.close()
+            with ScoreStore(path) as again:
+                assert again.load_rounds(5) == [make_round(1)] and again.taken_in() == []
+                assert again.counted_refs() == set()
+            return
         for column in ("unverified", "audits_passed", "audits_failed", "quarantined"):  # what schema 3 looks like
             st._conn.execute(f"ALTER TABLE round_miners DROP COLUMN {column}")
         if old <= 2:
@@ -273,7 +282,7 @@ def test_an_older_file_is_migrated_without_losing_rounds(tmp_path: Path, old: in
             st._conn.execute("DROP TABLE audits")  # and schema 1
         st._conn.execute(f"PRAGMA user_version = {old}")
     with ScoreStore(path) as st:
-        assert st._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert st._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
         # schema 3 rounds keep their value, all of it verified (as it was paid); older rounds are worth 0
         kept = [dataclasses.replace(m, unverified=0.0, audits_passed=0, audits_failed=0, quarantined=False,
                                     work_s=m.work_s if old == 3 else 0.0, value=m.value if old == 3 else 0.0)

@@ -23,6 +23,8 @@ or the embedded local subnet (no chain, no GPU)::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import random
 import time
 from collections import deque
@@ -36,7 +38,7 @@ from loguru import logger
 from gateway.offers import refresh_offers
 from gateway.quota import utc_day
 from gateway.router import Candidate
-from gateway.shared.measurements import MeasurementReader
+from gateway.shared.measurements import MeasurementReader, decode, encode
 from gateway.shared.routing import publish, view
 from scoring.audit import StrikeBook
 from scoring.measurement import Measurement
@@ -115,8 +117,10 @@ class Validator:
         # is acknowledged once the round holding it is saved. None: this process's queue alone.
         shared = parts.shared
         self.reader = MeasurementReader(shared.link) if shared is not None else None
-        self._unacked: list[str] = []  # stream entries recorded into the round in progress
-        self._saved_unacked: list[str] = []  # entries of saved rounds whose acknowledgement failed: sent again
+        self._unacked: list[str] = []  # refs (stream entries, or intake journal ids) in the round in progress
+        self._saved_unacked: list[str] = []  # refs of rounds whose save or acknowledgement failed: sent again
+        self._counted: set[str] = set()  # entries saved rounds hold, maybe unacknowledged: read again, never recounted
+        self._restored_intake: list[Measurement] = []  # journaled before a restart, no saved round holds them
         self._published_routing: str | None = None
         self.workers: WorkerPool | None = None  # --gateway.workers above 1: the other gateway processes
 
@@ -138,6 +142,12 @@ class Validator:
             raise CorruptStateError(path, "a directory is where the state file should be")
         self.store = await self._io(ScoreStore, path)
         await self._io(self.scorer.restore, self.store)
+        self._counted = await self._io(self.store.counted_refs)
+        self._restored_intake = [dataclasses.replace(decode(raw), ref=str(i))
+                                 for i, raw in await self._io(self.store.taken_in)]
+        if self._restored_intake:
+            logger.info("{} measurements taken in before the restart, in no saved round: scored now",
+                        len(self._restored_intake))
         self._last_weights_block = await self._io(self.store.last_weights_block)
         quota = self.gateway.quota
         for row in await self._io(self.store.load_key_usage, utc_day(time.time())):
@@ -163,16 +173,52 @@ class Validator:
         if m.ref is not None:
             self._unacked.append(m.ref)
 
+    async def _intake(self) -> list[Measurement]:
+        """New measurements, each to be counted exactly once across kill -9 (issue 39).
+
+        With Redis, an entry a saved round already holds (read again because the kill came between the save and
+        the acknowledgement, or Redis was down then) is not counted again, only acknowledged. Without Redis, each
+        measurement is journaled in the state file (its ``ref`` the journal id) until a saved round holds it, so a
+        kill before the save loses none.
+        """
+        if self.reader is not None:
+            fresh = []
+            for m in await self.reader.pull():
+                if m.ref in self._counted:
+                    self._saved_unacked.append(m.ref)  # acknowledged with the next saved round's entries
+                else:
+                    fresh.append(m)
+            return fresh
+        restored, self._restored_intake = self._restored_intake, []
+        taken = self.parts.measurements.drain()
+        if self.store is None or not taken:
+            return [*restored, *taken]
+        try:
+            ids = await self._io(self.store.take_in, [encode(m) for m in taken])
+        except Exception as e:  # scored all the same; only a kill before the round's save would lose them
+            logger.error("scoring state: could not journal {} measurements in {}: {}", len(taken), self.store.path, e)
+            return [*restored, *taken]
+        return [*restored, *(dataclasses.replace(m, ref=str(i)) for m, i in zip(taken, ids, strict=True))]
+
     async def _acknowledge(self, refs: list[str], saved: bool) -> None:
-        """The round holding ``refs`` is saved (or not): acknowledge them, with earlier ones still owed."""
-        if self.reader is None:
-            return
+        """The round holding ``refs`` is saved (or not): acknowledge them, with earlier ones still owed (without
+        Redis, the journal rows left with the save: nothing to acknowledge)."""
         if not saved:
             self._saved_unacked.extend(refs)  # the next round's save writes the state holding them
             return
         owed, self._saved_unacked = [*self._saved_unacked, *refs], []
+        if self.reader is None:
+            return
+        self._counted.update(owed)
         if not await self.reader.ack(owed):
             self._saved_unacked = owed
+            return
+        self._counted.difference_update(owed)
+        if self.store is not None:
+            try:
+                await self._io(self.store.forget_counted, owed)
+            except Exception as e:  # listed a while longer: harmless, Redis will not deliver them again
+                logger.warning("scoring state: could not forget {} acknowledged entries: {}", len(owed), e)
 
     async def publish_routing(self) -> None:
         """The router's view for the other gateway processes (gateway.shared.routing), when it changed."""
@@ -267,11 +313,8 @@ class Validator:
         """
         if self.store is None:
             return
-        for m in self.parts.measurements.drain():
+        for m in await self._intake():  # with Redis: this process's last ones, sent as its gateway stopped
             self._score(m)
-        if self.reader is not None:  # this process's last ones were sent as its gateway stopped
-            for m in await self.reader.pull():
-                self._score(m)
         if self.auditor is not None:
             for m in [*self.auditor.ready(), *self.auditor.abandon()]:
                 self._score(m)
@@ -324,10 +367,7 @@ class Validator:
     async def _drain(self) -> None:
         """Measurements into the scorer; those the audit samples wait for their verdict first."""
         auditor = self.auditor
-        incoming = self.parts.measurements.drain()
-        if self.reader is not None:
-            incoming += await self.reader.pull()
-        for m in incoming:
+        for m in await self._intake():
             if auditor is None or not auditor.take(m):
                 self._score(m)
         if auditor is not None:
@@ -367,7 +407,13 @@ class Validator:
         saved = True
         if self.store is not None and report.saved is not None:
             try:
-                await self._io(self.store.save_round, *report.saved)
+                # what this round holds and what earlier rounds whose save failed held: out of the journal, or
+                # listed as counted, in the round's own transaction
+                held = [*self._saved_unacked, *refs]
+                shared = self.reader is not None
+                await self._io(functools.partial(self.store.save_round, *report.saved,
+                                                 intake=[] if shared else [int(r) for r in held],
+                                                 counted=held if shared else []))
             except Exception as e:  # keep scoring in memory; the next round saves its own
                 saved = False
                 logger.error("scoring state: could not save round {} to {}: {}", report.index, self.store.path, e)
