@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import pytest
 
 from neurons.model.chat_template import render
 
@@ -79,3 +82,61 @@ def test_the_call_gate_holds_back_only_what_may_be_a_call() -> None:
     broken = CallGate()
     broken.feed([("<tool_call> oops", [1])])
     assert broken.finish() == ([("<tool_call> oops", [1])], None)  # not a call after all: sent as text
+
+
+# -- the Jinja twin a Jinja runtime (vLLM's --chat-template) renders (issue 37) ------------------------------------
+
+
+@functools.cache
+def _jinja() -> Any:
+    """The shipped Jinja template compiled as transformers (and so vLLM) compiles chat templates: an immutable
+    sandbox with trim_blocks and lstrip_blocks."""
+    pytest.importorskip("jinja2")
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from neurons.model.chat_template import jinja_template
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    return env.from_string(jinja_template())
+
+
+def _jinja_render(messages: list[dict[str, Any]]) -> str:
+    """The Jinja render less its leading ``<bos>`` (which llama.cpp adds to render()'s text as a token)."""
+    text = str(_jinja().render(messages=messages, add_generation_prompt=True, bos_token="<bos>"))
+    assert text.startswith("<bos>")
+    return text.removeprefix("<bos>")
+
+
+def test_the_jinja_twin_renders_the_same_prompt_as_render_byte_for_byte() -> None:
+    """Every role, system messages early and late, text parts, whitespace to trim, unicode, and 2,000 random
+    conversations: the Jinja template and render() give the same bytes (one differing byte fails every audit)."""
+    import random
+
+    fixed: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Rules."}],
+        [{"role": "system", "content": "A"}, {"role": "developer", "content": " B "}],
+        [{"role": "system", "content": "A"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+        [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "TCP?"}]},
+         {"role": "assistant", "content": "  A protocol.  "}, {"role": "developer", "content": "Late."},
+         {"role": "tool", "content": "42"}, {"role": "user", "content": "More? \u00e9\u4e2d\U0001f600"}],
+        [{"role": "user", "content": None}, {"role": "assistant", "content": [{"type": "image_url"}, "x", 5]}],
+        [{"content": "no role"}, {"role": "user", "content": "{{ not a template }} {% raw %}"}],
+    ]
+    rng = random.Random(37)
+    words = ["", " ", "\n", "hi", "  pad  ", "\t\u00e9", "<start_of_turn>", "{{x}}", "two\n\nlines", "\U0001f600"]
+    roles = ["system", "developer", "user", "assistant", "tool", None, "other"]
+    for _ in range(2000):
+        conv: list[dict[str, Any]] = []
+        for _ in range(rng.randint(0, 6)):
+            role = rng.choice(roles)
+            if rng.random() < 0.25:
+                content: Any = [{"type": "text", "text": rng.choice(words)} for _ in range(rng.randint(0, 3))]
+            else:
+                content = "".join(rng.choice(words) for _ in range(rng.randint(0, 4)))
+            conv.append({"content": content} if role is None else {"role": role, "content": content})
+        fixed.append(conv)
+    for conv in fixed:
+        assert _jinja_render(conv) == render(conv), conv

@@ -186,3 +186,95 @@ def test_rows_still_in_a_chunked_prefill_are_left_alone() -> None:
     proc.add_request(0, v.SamplingParams(temperature=0.8, extra_args={"tensorgate_seed": 1}))
     logits = torch.randn(1, 50)
     assert torch.equal(proc.apply(logits.clone(), _ctx(v, [0], [64])), logits)  # 64 of 100 prompt tokens seen
+
+
+# ---- the V1 interface (Model Runner V1: every CPU build, and GPU builds whose V2 runner lacks a feature) --------
+
+
+def _v1() -> types.SimpleNamespace:
+    lp = pytest.importorskip("vllm.v1.sample.logits_processor")
+    vllm = pytest.importorskip("vllm")
+    exceptions = pytest.importorskip("vllm.exceptions")
+    return types.SimpleNamespace(lp=lp, SamplingParams=vllm.SamplingParams, Invalid=exceptions.VLLMValidationError)
+
+
+_FQCN = "neurons.miner.vllm_plugin:SubnetSampler"
+
+
+def _v1_processor(v: types.SimpleNamespace, speculative: object = None):
+    (cls,) = v.lp._load_custom_logitsprocs([_FQCN])  # what V1's build_logitsprocs loads and checks
+    return cls(types.SimpleNamespace(speculative_config=speculative), torch.device("cpu"), False)
+
+
+def test_vllms_v1_loader_takes_the_same_plugin_name_and_validates_its_seed() -> None:
+    v = _v1()
+    proc = _v1_processor(v)
+    assert isinstance(proc, v.lp.LogitsProcessor) and proc.is_argmax_invariant() is False
+    v.lp.validate_logits_processors_parameters([_FQCN], v.SamplingParams(temperature=0.7,
+                                                                          extra_args={"tensorgate_seed": 5}))
+    for bad in (-1, "5", True, 2**63):
+        with pytest.raises(v.Invalid, match="tensorgate_seed"):
+            v.lp.validate_logits_processors_parameters([_FQCN], v.SamplingParams(
+                temperature=0.7, extra_args={"tensorgate_seed": bad}))
+    with pytest.raises(ValueError, match="speculative"):
+        _v1_processor(v, speculative=object())
+
+
+def test_the_v1_processor_follows_the_persistent_batch_and_draws_the_specs_token() -> None:
+    """Requests enter, grow, swap rows, move and leave as vLLM's persistent batch reports them; at each step every
+    row of the sampler's (seeded, sampled, unpenalised) requests keeps exactly the spec's token at the position its
+    output list gives, and every other row is untouched."""
+    v = _v1()
+    proc = _v1_processor(v)
+    vocab = 2000
+    params = {"a": v.SamplingParams(temperature=0.8, extra_args={"tensorgate_seed": 11}),
+              "b": v.SamplingParams(temperature=0.4, top_p=0.9, extra_args={"tensorgate_seed": SEED_MAX}),
+              "greedy": v.SamplingParams(temperature=0.0, extra_args={"tensorgate_seed": 3}),
+              "plain": v.SamplingParams(temperature=0.9),
+              "penalised": v.SamplingParams(temperature=0.9, presence_penalty=0.5, extra_args={"tensorgate_seed": 4}),
+              "late": v.SamplingParams(temperature=0.9)}
+    outputs: dict[str, list[int]] = {name: [] for name in params}
+    ours = {"a", "b"}
+    row_of: dict[str, int] = {}
+
+    def update(removed=(), added=(), moved=()):
+        for name, row in added:
+            row_of[name] = row
+        proc.update_state(v.lp.BatchUpdate(batch_size=len(row_of), removed=list(removed),
+                                           added=[(row, params[name], [1, 2], outputs[name]) for name, row in added],
+                                           moved=list(moved)))
+
+    def step():
+        rows = max(row_of.values()) + 1
+        logits = torch.from_numpy(np.random.default_rng(len(outputs["a"])).normal(0, 4, (rows, vocab))
+                                  .astype(np.float32))
+        before = logits.clone()
+        out = proc.apply(logits)
+        for name, row in row_of.items():
+            if name in ours:
+                p = params[name]
+                want = seeded_token(before[row].numpy(), SamplingParams(
+                    p.temperature, p.top_p, seed=p.extra_args["tensorgate_seed"]), len(outputs[name]))
+                assert torch.isfinite(out[row]).sum() == 1 and int(torch.argmax(out[row])) == want, name
+            else:
+                assert torch.equal(out[row], before[row]), name
+            outputs[name].append(int(torch.argmax(out[row])))  # the runner appends to the list it handed over
+
+    update(added=[("a", 0), ("greedy", 1), ("b", 2), ("plain", 3)])
+    step()
+    step()
+    update(moved=[(0, 2, v.lp.MoveDirectionality.SWAP)])  # a <-> b
+    row_of["a"], row_of["b"] = 2, 0
+    step()
+    update(removed=[1])  # greedy leaves; the runner condenses plain (3) into its row
+    del row_of["greedy"]
+    update(moved=[(3, 1, v.lp.MoveDirectionality.UNIDIRECTIONAL)])
+    row_of["plain"] = 1
+    step()
+    update(added=[("penalised", 3)])  # the client's penalty would be lost under a one-hot row: left to vLLM
+    step()
+    update(removed=[0, 2])  # a and b leave; a new request on a's old row is not the sampler's
+    del row_of["a"], row_of["b"]
+    update(added=[("late", 0)])
+    logits = torch.randn(4, vocab)
+    assert torch.equal(proc.apply(logits.clone()), logits)

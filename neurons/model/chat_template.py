@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 START = "<start_of_turn>"
@@ -54,3 +55,9 @@ def render(messages: list[dict[str, Any]]) -> str:
     out = [f"{START}{role}\n{text.strip()}{END}\n" for role, text in turns]
     out.append(f"{START}model\n")
     return "".join(out)
+
+
+def jinja_template() -> str:
+    """The same template in Jinja, for runtimes that render one (vLLM's ``--chat-template``, a Hugging Face
+    folder's ``chat_template``): shipped beside this file, tested equal to :func:`render` byte for byte."""
+    return (Path(__file__).with_name("chat_template.jinja")).read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""``SubnetSampler``: vLLM's custom logits processor (Model Runner V2 interface) that draws the subnet's token.
+"""``SubnetSamplerV2``: vLLM's custom logits processor (Model Runner V2 interface) that draws the subnet's token.
 
 What vLLM gives a processor, and how this one uses it:
 
@@ -24,24 +24,13 @@ import numpy as np
 import torch
 from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, LogitsProcessor, LogitsProcRequestState
 
-from gateway.protocol.sampling import GREEDY_BELOW, is_seed
+from gateway.protocol.sampling import GREEDY_BELOW
 
-from . import SEED_ARG
+from . import requested_seed
 from .sampler import keep_only, row_base, subnet_tokens
 
 
-def requested_seed(params: Any) -> int | None:
-    """The subnet sampler's seed a request asked for (``extra_args``), or None; ValueError for a malformed one."""
-    extra = getattr(params, "extra_args", None) or {}
-    if SEED_ARG not in extra:
-        return None
-    seed = extra[SEED_ARG]
-    if not is_seed(seed):
-        raise ValueError(f"{SEED_ARG} must be an integer in 0..2**63-1, got {seed!r}")
-    return seed
-
-
-class SubnetSampler(LogitsProcessor):
+class SubnetSamplerV2(LogitsProcessor):
     """Keeps, in each row of a request that asked for it, only the subnet sampler's token."""
 
     def __init__(self, vllm_config: Any, req_states: LogitsProcRequestState) -> None:

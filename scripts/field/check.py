@@ -1,0 +1,189 @@
+"""Audit real vLLM engines as a validator does: the same requests to each, every answer replayed on the reference.
+
+Each engine sits behind the reference miner's proxy runtime declaring the subnet sampler
+(``--runtime.sampler subnet``), so every seeded request asks vLLM for the plugin's tokens. Requests come from the
+validator's own prompt generator: a third greedy, the rest sampled with a seed (a third of those in a 0.9 nucleus).
+Each answer is replayed on the llama.cpp reference (the packaged GGUF) at the default bands, and the per-miner
+sequential test sums the evidence as the validator does.
+
+An engine named ``honest`` must pass every answer and never alarm; every other engine is a cheat (a vLLM without
+the plugin that still declares it, a cheaper copy of the model) and must be caught: a failed audit or the
+sequential test's alarm. Exit 0 only when both hold. Run with the project's venv (llama.cpp and the reference)::
+
+    .venv/bin/python scripts/field/check.py --engine honest=http://127.0.0.1:8011 \\
+        --engine no-plugin=http://127.0.0.1:8012 --engine bf16=http://127.0.0.1:8013 --answers 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gateway.metering import StreamMeter  # noqa: E402
+from gateway.protocol.openai import SUBNET_SAMPLER  # noqa: E402
+from gateway.protocol.sampling import SamplingParams  # noqa: E402
+from neurons.miner.runtimes.proxy import ProxyRuntime  # noqa: E402
+from neurons.model.engine import LlamaEngine  # noqa: E402
+from neurons.model.packaged import MODEL_ID, model_path  # noqa: E402
+from neurons.reference.llama import replay  # noqa: E402
+from neurons.validator.prompts import MIXES, PromptGenerator  # noqa: E402
+from scoring.audit import AuditBands  # noqa: E402
+from scoring.audit.sequential import SequentialTest  # noqa: E402
+from scoring.measurement import Answer  # noqa: E402
+
+HONEST = "honest"
+
+
+def requests(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` chat bodies as the validator's generator writes them: every third greedy, the rest seeded."""
+    prompts = PromptGenerator(random.Random(seed), MIXES["cpu"])
+    rng = random.Random(seed + 1)
+    out = []
+    for i in range(n):
+        body = prompts.payload(MODEL_ID)
+        if i % 3 == 0:
+            body["temperature"] = 0.0
+        else:
+            if float(body.get("temperature") or 0.0) < 0.3:
+                body["temperature"] = 0.7
+            body["seed"] = rng.getrandbits(62)
+            if i % 3 == 2:
+                body["top_p"] = 0.9
+        out.append(body)
+    return out
+
+
+@dataclass
+class Tally:
+    name: str
+    answers: int = 0
+    greedy: int = 0
+    greedy_passed: int = 0
+    seeded: int = 0
+    seeded_passed: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    positions: int = 0
+    misses: int = 0
+    alarmed_at: int | None = None  # the answer at which the sequential test alarmed
+    sampled_tokens: int = 0
+    sampled_seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failures.values())
+
+    def ok(self) -> bool:
+        if self.name == HONEST:
+            return self.answers > 0 and self.failed == 0 and self.alarmed_at is None and not self.errors
+        return self.failed > 0 or self.alarmed_at is not None
+
+
+async def answer(rt: ProxyRuntime, body: dict[str, Any]) -> tuple[Answer, float]:
+    """What the validator keeps of the engine's answer (as gateway.upstream builds it), and its seconds."""
+    meter = StreamMeter(max_tokens=body["max_tokens"], started_at=0.0, keep_answer=True)
+    start = time.monotonic()
+    async for frames in rt.stream({**body, "return_token_ids": True}):
+        meter.feed(frames, now=time.monotonic() - start)
+    if not (meter.done and meter.ids_complete):
+        raise RuntimeError("the stream ended without its token ids")
+    return (Answer(messages=body["messages"], sampling=SamplingParams.of(body), max_tokens=body["max_tokens"],
+                   stop=(), text="".join(meter.text), token_ids=tuple(meter.ids),
+                   finish_reason=meter.finish_reason), time.monotonic() - start)
+
+
+async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], reference: LlamaEngine,
+                       bands: AuditBands) -> Tally:
+    tally = Tally(name)
+    test = SequentialTest()
+    evidence = 0.0
+    async with aiohttp.ClientSession() as session:
+        rt = ProxyRuntime(url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER)
+        for i, body in enumerate(bodies):
+            try:
+                a, seconds = await answer(rt, body)
+            except Exception as e:  # noqa: BLE001 - a broken engine is a row of the table, not a crash
+                tally.errors.append(f"{type(e).__name__}: {e}")
+                continue
+            verdict = await asyncio.to_thread(replay, reference, a, bands)
+            if verdict is None:
+                tally.errors.append("too long to replay")
+                continue
+            tally.answers += 1
+            seeded = a.sampling.seed is not None and a.sampling.temperature > 0
+            if seeded:
+                tally.seeded += 1
+                tally.seeded_passed += verdict.passed
+                tally.sampled_tokens += len(a.token_ids or ())
+                tally.sampled_seconds += seconds
+            else:
+                tally.greedy += 1
+                tally.greedy_passed += verdict.passed
+            if not verdict.passed:
+                tally.failures[str(verdict.failure)] += 1
+            tally.positions += verdict.positions
+            tally.misses += verdict.misses
+            evidence = test.update(evidence, positions=verdict.positions, misses=verdict.misses)
+            if tally.alarmed_at is None and test.alarmed(evidence):
+                tally.alarmed_at = i + 1
+    return tally
+
+
+def table(tallies: list[Tally]) -> str:
+    rows = ["| engine | answers | greedy pass | seeded pass | failures | sequential test | sampled tok/s | result |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for t in tallies:
+        fails = ", ".join(f"{k} {v}" for k, v in t.failures.most_common()) or "none"
+        alarm = f"alarm at answer {t.alarmed_at}" if t.alarmed_at else "quiet"
+        rate = f"{t.sampled_tokens / t.sampled_seconds:.1f}" if t.sampled_seconds else "-"
+        want = "all pass" if t.name == HONEST else "caught"
+        result = ("PASS" if t.ok() else "FAIL") + f" ({want})"
+        rows.append(f"| {t.name} | {t.answers} | {t.greedy_passed}/{t.greedy} | {t.seeded_passed}/{t.seeded} | "
+                    f"{fails} | {alarm} ({t.misses}/{t.positions} misses) | {rate} | {result} |")
+    for t in tallies:
+        rows.extend(f"  {t.name}: {e}" for e in t.errors[:5])
+    return "\n".join(rows)
+
+
+async def run(args: argparse.Namespace) -> int:
+    engines = []
+    for spec in args.engine:
+        name, _, url = spec.partition("=")
+        if not name or not url.startswith("http"):
+            print(f"--engine wants NAME=URL, got {spec!r}", file=sys.stderr)
+            return 2
+        engines.append((name, url))
+    bodies = requests(args.answers, args.seed)
+    reference = LlamaEngine(model_path(), n_ctx=4096, threads=1)
+    tallies = [await audit_engine(name, url, bodies, reference, AuditBands()) for name, url in engines]
+    print(table(tallies))
+    if args.json:
+        figures = json.dumps([{**t.__dict__, "failures": dict(t.failures), "ok": t.ok()} for t in tallies], indent=2)
+        await asyncio.to_thread(Path(args.json).write_text, figures)
+    return 0 if all(t.ok() for t in tallies) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", action="append", required=True, help="NAME=URL; NAME 'honest' must pass, others "
+                   "must be caught (repeatable)")
+    p.add_argument("--answers", type=int, default=30)
+    p.add_argument("--seed", type=int, default=37)
+    p.add_argument("--json", help="also write the figures here")
+    return asyncio.run(run(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
