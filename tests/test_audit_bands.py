@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from neurons.reference.bands import BandsFileError, HonestSpread, bands_from, describe, load_bands, save_bands
+from neurons.reference.bands import (
+    CEILING,
+    BandsFileError,
+    HonestSpread,
+    bands_from,
+    describe,
+    load_bands,
+    over_ceiling,
+    save_bands,
+)
 from scoring.audit import AuditBands
 from scoring.audit.sequential import SequentialTest
 
@@ -44,6 +53,28 @@ def test_bands_round_trip_and_a_bad_file_is_refused_with_what_is_wrong(tmp_path:
             load_bands(path)
     path.write_text("{")
     with pytest.raises(BandsFileError, match="JSON"):
+        load_bands(path)
+
+
+def test_a_poisoned_spread_is_over_the_ceiling_and_a_file_over_it_is_refused(tmp_path: Path) -> None:
+    """Issue 37: calibrating against a miner that declares the sampler and draws with its own RNG measured gaps up
+    to ~20 nats and wrote a near-tie band of 24.56; a validator loaded it. Such bands are over the ceiling, and a
+    file holding them (whoever wrote it) is refused with what is over."""
+    poisoned = HonestSpread(gaps=[0.0] * 700 + [3.0] * 200 + [19.65] * 100, misses=300, positions=1000, z=[])
+    bands, test = bands_from(poisoned)
+    assert bands.greedy_gap == pytest.approx(24.56, abs=0.01)
+    over = over_ceiling(bands, test)
+    assert any(o.startswith("greedy_gap 24.5") for o in over) and any(o.startswith("greedy_hard_gap") for o in over)
+    assert over_ceiling(AuditBands(), SequentialTest()) == []
+    at_ceiling = AuditBands(greedy_gap=CEILING["greedy_gap"], greedy_hard_gap=CEILING["greedy_hard_gap"],
+                            z_limit=CEILING["z_limit"])
+    assert over_ceiling(at_ceiling, SequentialTest(p0=CEILING["p0"], p1=0.5)) == []
+    path = tmp_path / "bands.json"
+    save_bands(path, bands, test, measured={})
+    with pytest.raises(BandsFileError, match="over the ceiling.*greedy_gap 24.5"):
+        load_bands(path)
+    save_bands(path, AuditBands(), SequentialTest(p0=0.06, p1=0.5), measured={})
+    with pytest.raises(BandsFileError, match="p0 0.06 > 0.05"):
         load_bands(path)
 
 

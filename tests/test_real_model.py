@@ -413,6 +413,31 @@ async def test_calibration_against_an_honest_miner_writes_bands_the_validator_lo
     assert bad_nucleus.value.code == 2
 
 
+async def test_calibration_against_a_miner_that_declares_the_sampler_and_ignores_it_writes_nothing(
+        tmp_path: Path) -> None:
+    """Issue 37: a miner that declares the subnet sampler and draws seeded requests with its own RNG (what stock
+    vLLM without the plugin does) once calibrated into a near-tie band of 24.56 nats. Now calibrate refuses: exit 2,
+    one line saying why, no bands file."""
+    from neurons.keys import dev_keypair
+    from neurons.miner.server import start_miner
+    from neurons.miner.trust import AllowList
+    from neurons.reference.calibrate import main as calibrate_main
+
+    rt = LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1, generate=CHEATS["own-rng"])
+    await rt.start()
+    alice = dev_keypair("Alice").ss58_address
+    runner, port = await start_miner(dev_keypair("Bob"), rt, slots=1, trust=AllowList({alice}), contexts=1)
+    out = tmp_path / "bands.json"
+    try:
+        rc = await asyncio.to_thread(calibrate_main, ["--miner", f"http://127.0.0.1:{port}", "--dev-key", "Alice",
+                                                      "--answers", "6", "--out", str(out), "--context", "2048",
+                                                      "--seed", "4"])
+    finally:
+        await runner.cleanup()
+        await rt.aclose()
+    assert rc == 2 and not out.exists()
+
+
 # -- tools in the subnet's tool format (issue 27) -----------------------------------------------
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

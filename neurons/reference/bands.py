@@ -17,6 +17,14 @@ The rules from measurement to bands (:func:`bands_from`) never narrow the defaul
 * the sequential test's ``p0`` is at least 4x the honest miss rate, counted with one extra miss so that
   zero misses is never read as a rate of zero; ``p1`` is 10x ``p0``.
 
+Widening has a ceiling (:data:`CEILING`), because calibration trusts the miner it measures: one that declares the
+subnet sampler and draws with its own RNG looked like an "honest spread" of 24.56 nats and wrote a near-tie band
+that lets almost any token pass (issue 37). Honest runtimes measured here stay far below it (llama.cpp against
+itself: worst gap 0.0 nats; vLLM 0.32 on the dequantized model against the llama.cpp reference: 0.57 nats, 2 of
+1,374 positions off the default band). So ``calibrate`` refuses, writing nothing, when the miner's determined
+answers miss more than :data:`MAX_HONEST_MISS_RATE` of positions at the default bands or need a band above the
+ceiling, and :func:`load_bands` refuses a file over it, whoever wrote it.
+
 Example::
 
     save_bands(path, bands, test, measured={"answers": 300})
@@ -38,6 +46,14 @@ from scoring.audit.sequential import SequentialTest
 
 FORMAT = "tensorgate-audit-bands/1"
 _MAX_NUCLEUS_SLACK = 0.5
+
+# The widest band a calibration may write and a validator may load: 3x the default near-tie band and hard gap
+# (honest vLLM-vs-llama.cpp worst gap 0.57 nats), a z limit of 8, a sequential-test p0 of 5 %.
+CEILING: dict[str, float] = {"greedy_gap": 1.5, "greedy_hard_gap": 6.0, "z_limit": 8.0,
+                             "seeded_nucleus_slack": _MAX_NUCLEUS_SLACK, "p0": 0.05}
+# Honest runtimes miss 0-0.15 % of determined positions at the default bands; a miner that misses more than this
+# is not one to calibrate from (it does not run the sampler it declares, or it serves another model).
+MAX_HONEST_MISS_RATE = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +102,13 @@ class BandsFileError(ValueError):
     """A bands file that cannot be used: the validator refuses to start with it (and says which field)."""
 
 
+def over_ceiling(bands: AuditBands, test: SequentialTest) -> list[str]:
+    """Each band above :data:`CEILING`, as ``name value > ceiling`` (empty when every band is within it)."""
+    values = {**dataclasses.asdict(bands), "p0": test.p0}
+    return [f"{name} {values[name]:g} > {limit:g}" for name, limit in CEILING.items()
+            if not values[name] <= limit]  # NaN is over too
+
+
 def load_bands(path: Path) -> tuple[AuditBands, SequentialTest]:
     try:
         doc = json.loads(path.read_text())
@@ -98,6 +121,10 @@ def load_bands(path: Path) -> tuple[AuditBands, SequentialTest]:
         test = _fields(SequentialTest, doc.get("sequential"))
     except (TypeError, ValueError) as e:
         raise BandsFileError(f"{path}: {e}") from None
+    over = over_ceiling(bands, test)
+    if over:
+        raise BandsFileError(f"{path}: bands over the ceiling ({', '.join(over)}): an audit this loose accepts "
+                             "almost any token; recalibrate against an honest miner")
     return bands, test
 
 

@@ -36,7 +36,7 @@ from scoring.measurement import Answer, Measurement
 from ..keys import dev_keypair, load_hotkey
 from ..model.engine import EngineThread, LlamaEngine
 from ..model.packaged import ModelUnavailable, model_path
-from .bands import HonestSpread, bands_from, describe, save_bands
+from .bands import MAX_HONEST_MISS_RATE, HonestSpread, bands_from, describe, over_ceiling, save_bands
 from .llama import replay_scored
 
 
@@ -139,6 +139,10 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
     spread = HonestSpread(gaps=gaps, misses=misses, positions=positions, z=zs, nucleus_excess=excess)
     outside = sum(e >= base.seeded_nucleus_slack for e in excess)
     bands, test = bands_from(spread)
+    refusal = _refusal(misses, positions, over_ceiling(bands, test))
+    if refusal:
+        logger.error("{}; no bands written", refusal)
+        return 2
     measured = {"miner": url, "miner_hotkey": hotkey, "reference": str(path), "answers": args.answers,
                 "replayed": args.answers - skipped, "positions": positions, "misses_at_default_band": misses,
                 "failed_at_default_bands": failed, "outside_nucleus_at_default_slack": outside,
@@ -151,6 +155,17 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
                 failed, args.answers - skipped)
     logger.info("wrote {}: {}", args.out, describe(bands, test))
     return 0
+
+
+def _refusal(misses: int, positions: int, over: list[str]) -> str | None:
+    """Why this miner's answers are no honest spread to widen the bands by (None: they are)."""
+    if positions and misses / positions > MAX_HONEST_MISS_RATE:
+        return (f"the miner's greedy and seeded answers missed {misses} of {positions} positions "
+                f"({misses / positions:.1%}; honest runtimes miss under {MAX_HONEST_MISS_RATE:.0%}): it does not run "
+                "the sampler it declares, or serves another model")
+    if over:
+        return f"the bands this miner needs are over the ceiling ({', '.join(over)})"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
