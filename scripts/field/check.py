@@ -105,12 +105,15 @@ async def answer(rt: ProxyRuntime, body: dict[str, Any]) -> tuple[Answer, float]
 
 
 async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], reference: LlamaEngine,
-                       bands: AuditBands) -> Tally:
+                       bands: AuditBands, *, forward_seed: bool = True) -> Tally:
+    """Ask ``url`` for ``bodies`` through the proxy runtime and replay each answer. ``forward_seed=False``: the
+    proxy does not pass the seed to the plugin (as a miner whose vLLM runs without it), though the audit expects
+    the subnet sampler's tokens as the miner declared."""
     tally = Tally(name)
     test = SequentialTest()
     evidence = 0.0
     async with aiohttp.ClientSession() as session:
-        rt = ProxyRuntime(url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER)
+        rt = ProxyRuntime(url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER if forward_seed else None)
         for i, body in enumerate(bodies):
             try:
                 a, seconds = await answer(rt, body)

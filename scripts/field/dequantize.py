@@ -8,7 +8,9 @@ issue 37). The folder gets the subnet's template (``neurons/model/chat_template.
 
 Run with the field venv's Python (transformers, gguf and accelerate; never the project's own venv)::
 
-    .field/venv/bin/python scripts/field/dequantize.py OUT_DIR
+    .field/venv/bin/python scripts/field/dequantize.py OUT_DIR [GGUF]    # default: the packaged model
+
+(the field rig also dequantizes a Q2_K requantization of the model, the cheaper copy a cheat would serve).
 """
 
 from __future__ import annotations
@@ -61,15 +63,15 @@ def dequantize(gguf: Path, out: Path) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: dequantize.py OUT_DIR", file=sys.stderr)
+    if len(sys.argv) not in (2, 3):
+        print("usage: dequantize.py OUT_DIR [GGUF]", file=sys.stderr)
         return 2
     out = Path(sys.argv[1])
     if (out / "config.json").exists():
         print(f"{out}: already there")
         return 0
     start = time.monotonic()
-    dequantize(packaged_gguf(), out)
+    dequantize(Path(sys.argv[2]) if len(sys.argv) == 3 else packaged_gguf(), out)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"dequantized into {out}: {size / 1e6:.0f} MB in {time.monotonic() - start:.0f} s")
     return 0

