@@ -318,7 +318,8 @@ class Relay:
         full: set[int] = set()
         loop = asyncio.get_running_loop()
         while True:
-            lease = self.router.acquire(exclude=tried | full if full else tried, model=req.model, needs=req.needs)
+            lease = self.router.acquire(exclude=tried | full if full else tried, model=req.model, needs=req.needs,
+                                        sampled=req.sampled)
             if self.leases is None:
                 return lease
             if lease is None:

@@ -21,6 +21,11 @@ Two refinements, both measured by ``scripts/soak.py``:
   declared that feature too. When every miner serves what is asked (the usual subnet of one model) the pick
   takes the same path as before: the check is cached per (model, features) until an offer or the membership
   changes.
+* *Sampled requests to a sampler first.* A sampled request (``sampled=True``) goes to a miner that declares the
+  subnet's sampler and has a free slot when there is one, by the same weighted least-in-flight draw among those;
+  only when none is free does it go to any miner. A stock runtime (SGLang, llama-server, vLLM without the plugin)
+  answers it with its own RNG: a free draw no audit can check token by token, so its tokens are not paid and the
+  user's answer is unverified. Greedy requests, which every runtime serves verifiably, go anywhere.
 * *Quarantine is out.* A miner whose answers failed their audits (:meth:`Router.set_quarantined`)
   is never picked for organic traffic, not even as a last resort: a user must not get an answer
   the validator knows to be wrong. Probes still reach it (:meth:`Router.acquire_uid`).
@@ -212,6 +217,10 @@ class _Bucket:
         return _weighted_choice(self.order, self._w, rng)
 
 
+def _free_sampler(m: MinerState) -> bool:
+    return m.declares_sampler and m.load < 1.0
+
+
 def _weighted_choice(miners: list[MinerState], weights: list[float], rng: random.Random) -> MinerState:
     """Exact weighted choice; uniform when no weight is positive."""
     cum = list(accumulate(weights))
@@ -358,19 +367,24 @@ class Router:
         return hit
 
     def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
-             needs: frozenset[str] = frozenset()) -> MinerState | None:
-        """The miner the next request should go to, or None when nothing is eligible."""
+             needs: frozenset[str] = frozenset(), only: Callable[[MinerState], bool] | None = None
+             ) -> MinerState | None:
+        """The miner the next request should go to, or None when nothing is eligible (``only``: among those)."""
         zero_only: list[MinerState] | None = None  # the least-loaded miners, if all scored 0
         everyone = (model is None and not needs) or self._for_everyone(model, needs)
         for load in sorted(self._buckets):
             bucket = self._buckets[load]
-            if not exclude and everyone:
+            if only is not None:
+                rest = [m for m in bucket.order if m.uid not in exclude and only(m)
+                        and (everyone or self.serves(m, model, needs))]
+            elif not exclude and everyone:
                 if bucket.positive:
                     return self._less_served(bucket.pick(self._rng), bucket.pick(self._rng))
                 if zero_only is None:
                     zero_only = bucket.order
                 continue
-            rest = [m for m in bucket.order if m.uid not in exclude and (everyone or self.serves(m, model, needs))]
+            else:
+                rest = [m for m in bucket.order if m.uid not in exclude and (everyone or self.serves(m, model, needs))]
             scored = [m for m in rest if self._weight(m) > 0.0]
             if scored:
                 weights = [self._weight(m) for m in scored]
@@ -395,10 +409,17 @@ class Router:
         return b if pb < pa else a  # equal: a, itself a random draw
 
     def acquire(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
-                needs: frozenset[str] = frozenset()) -> Lease | None:
-        """Pick a miner (among those serving ``model`` with ``needs``) and count one request in flight on it."""
-        m = self.pick(exclude, model, needs)
+                needs: frozenset[str] = frozenset(), *, sampled: bool = False) -> Lease | None:
+        """Pick a miner (among those serving ``model`` with ``needs``; for a ``sampled`` request, a free one that
+        declares the subnet's sampler when there is one) and count one request in flight on it."""
+        m = self.pick(exclude, model, needs, only=_free_sampler) if sampled and self._mixed_samplers() else None
+        if m is None:
+            m = self.pick(exclude, model, needs)
         return None if m is None else self.acquire_uid(m.uid)
+
+    def _mixed_samplers(self) -> bool:
+        """Whether some routable miner does not declare the sampler (else the preference changes nothing)."""
+        return not all(m.declares_sampler for m in self._miners.values())
 
     def learn_slots(self, m: MinerState, slots: int) -> None:
         """A miner told us how many requests it serves at once. Advisory, so clamped to

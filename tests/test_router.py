@@ -366,3 +366,36 @@ def test_quarantined_miners_get_no_organic_traffic_but_probes_reach_them():
     sync_again = router(3, scores=[1.0, 0.0, 0.0])
     sync_again.set_quarantined({"hk0"})
     assert Counter(sequential(sync_again)() for _ in range(50))[0] == 0  # not even as the only positive score
+
+
+def test_sampled_requests_go_to_a_free_miner_that_declares_the_sampler_first():
+    """Issue 37: a stock runtime's sampled answers are free draws (unverified, unpaid), so a sampled request goes
+    to a free miner that draws with the subnet's sampler when there is one; greedy requests go anywhere; when every
+    sampler miner is full, a sampled request still gets served by the others."""
+    r = router(3, scores=[1.0, 1.0, 1.0])
+    for m in r.miners():
+        m.declares_sampler = m.uid != 1  # uid 1 runs a stock runtime
+    sampled = Counter()
+    for _ in range(600):
+        lease = r.acquire(sampled=True)
+        assert lease is not None
+        sampled[lease.miner.uid] += 1
+        r.release(lease)
+    assert sampled[1] == 0 and sampled[0] > 200 and sampled[2] > 200
+    greedy = Counter()
+    for _ in range(600):
+        lease = r.acquire()
+        assert lease is not None
+        greedy[lease.miner.uid] += 1
+        r.release(lease)
+    assert min(greedy.values()) > 150  # greedy: all three, as before
+    held = [r.acquire(sampled=True), r.acquire(sampled=True)]  # both sampler miners' only slot taken
+    assert {lease.miner.uid for lease in held if lease} == {0, 2}
+    spill = r.acquire(sampled=True)
+    assert spill is not None and spill.miner.uid == 1  # none free: served anyway, by the stock runtime
+    r.set_quarantined({"hk0", "hk2"})
+    for lease in (*held, spill):
+        if lease:
+            r.release(lease)
+    only = r.acquire(sampled=True)
+    assert only is not None and only.miner.uid == 1  # quarantined sampler miners are out of organic routing

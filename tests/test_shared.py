@@ -316,6 +316,7 @@ async def test_relay_waits_for_room_when_other_processes_fill_every_slot(links: 
         class Req:
             model = None
             needs: frozenset[str] = frozenset()
+            sampled = False
 
         loop = asyncio.get_running_loop()
         assert await relay._acquire(Req(), set(), loop.time() + 0.3) is None  # type: ignore[arg-type]

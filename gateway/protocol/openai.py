@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import bad_request, model_not_found
+from .sampling import SamplingParams
 from .tokens import estimate_prompt_tokens
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -82,6 +83,12 @@ class ChatRequest:
     n: int = 1  # answers asked for: each from its own miner (gateway.relay), each measured and audited alone
     needs: frozenset[str] = frozenset()  # FEATURES the request uses: only miners declaring them all may serve it
     completion: bool = False  # a /v1/completions request: answered as ``text_completion`` objects
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the answer is drawn, not greedy: verified token by token (and paid) only from a miner that
+        draws with the subnet's sampler, so the router sends it to one first (gateway.router)."""
+        return not SamplingParams.of(self.sampling).greedy
 
     def upstream_payload(self) -> dict[str, Any]:
         """What the client asked a miner for; :func:`miner_body` makes it the body on the wire."""

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 import aiohttp
@@ -29,11 +30,12 @@ class DeterministicRouter(Router):
     """Least in flight with a deterministic tie-break on score: the design the project replaced."""
 
     def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
-             needs: frozenset[str] = frozenset()) -> MinerState | None:
+             needs: frozenset[str] = frozenset(), only: Callable[[MinerState], bool] | None = None
+             ) -> MinerState | None:
         best: MinerState | None = None
         best_key: tuple[int, float, int] | None = None
         for m in self.miners():
-            if m.uid in exclude or not self.serves(m, model, needs):
+            if m.uid in exclude or not self.serves(m, model, needs) or (only is not None and not only(m)):
                 continue
             key = (m.in_flight, -self._weight(m), m.uid)
             if best_key is None or key < best_key:
@@ -49,10 +51,11 @@ class SmoothRouter(Router):
         self._current: dict[tuple[int, str], float] = {}
 
     def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
-             needs: frozenset[str] = frozenset()) -> MinerState | None:
+             needs: frozenset[str] = frozenset(), only: Callable[[MinerState], bool] | None = None
+             ) -> MinerState | None:
         groups: dict[float, list[MinerState]] = {}
         for m in self.miners():
-            if m.uid not in exclude and self.serves(m, model, needs):
+            if m.uid not in exclude and self.serves(m, model, needs) and (only is None or only(m)):
                 groups.setdefault(m.load, []).append(m)
         if not groups:
             return None
