@@ -90,6 +90,7 @@ class MinerState:
     models: frozenset[str] = frozenset()
     features: frozenset[str] = frozenset()
     bucket_load: float = field(default=0.0, repr=False)  # the router's bookkeeping: the load bucket it sits in
+    sampler_load: float | None = field(default=None, repr=False)  # and its sampler bucket (None: in none)
 
     @property
     def load(self) -> float:
@@ -217,8 +218,7 @@ class _Bucket:
         return _weighted_choice(self.order, self._w, rng)
 
 
-def _free_sampler(m: MinerState) -> bool:
-    return m.declares_sampler and m.load < 1.0
+SAMPLER_RECHECK = 64  # sampled requests between two looks at which miners declare the sampler
 
 
 def _weighted_choice(miners: list[MinerState], weights: list[float], rng: random.Random) -> MinerState:
@@ -255,6 +255,7 @@ class Router:
         self._prior = 1.0 if prior is None else _clean_score(prior)
         self._miners: dict[int, MinerState] = {}
         self._buckets: dict[float, _Bucket] = {}
+        self._sampler_buckets: dict[float, _Bucket] = {}  # the same, of the miners declaring the subnet's sampler
         # Virtual time: advances 1/(sum of weights) per dispatch, so a miner served exactly its share
         # keeps its pass level with it. Passes are held within HORIZON dispatches of it, so a burst of
         # forced picks (everyone else busy) is not repaid by starving that miner for an hour after.
@@ -262,6 +263,8 @@ class Router:
         self._wsum = 1.0
         self.default_model: str | None = None  # what a miner that declared no models serves (None: any)
         self._everyone: dict[tuple[str | None, frozenset[str]], bool] = {}  # (model, needs) every miner serves
+        self._mixed = False  # some miners declare the subnet's sampler and some do not (_mixed_samplers)
+        self._sampler_check = 0
         # Called whenever room may have freed (a release, a miner's slots or the membership changed): the gateway
         # wires its admission queue's wake here (gateway.admission), which lets waiting requests go. None: no one.
         self.on_room: Callable[[], None] | None = None
@@ -295,6 +298,7 @@ class Router:
                 self._bucket_in(m)
         self._reweigh()
         self._everyone.clear()
+        self._sampler_check = 0  # new members: look at who declares the sampler on the next sampled request
         if self.on_room is not None:  # new miners: room for those waiting
             self.on_room()
 
@@ -367,30 +371,29 @@ class Router:
         return hit
 
     def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
-             needs: frozenset[str] = frozenset(), only: Callable[[MinerState], bool] | None = None
-             ) -> MinerState | None:
-        """The miner the next request should go to, or None when nothing is eligible (``only``: among those)."""
+             needs: frozenset[str] = frozenset(), *, free_sampler: bool = False) -> MinerState | None:
+        """The miner the next request should go to, or None when nothing is eligible (``free_sampler``: among the
+        miners declaring the subnet's sampler with a slot free, and never one scored 0)."""
         zero_only: list[MinerState] | None = None  # the least-loaded miners, if all scored 0
         everyone = (model is None and not needs) or self._for_everyone(model, needs)
-        for load in sorted(self._buckets):
-            bucket = self._buckets[load]
-            if only is not None:
-                rest = [m for m in bucket.order if m.uid not in exclude and only(m)
-                        and (everyone or self.serves(m, model, needs))]
-            elif not exclude and everyone:
+        buckets = self._sampler_buckets if free_sampler else self._buckets
+        for load in sorted(buckets):
+            if free_sampler and load >= 1.0:
+                return None
+            bucket = buckets[load]
+            if not exclude and everyone:
                 if bucket.positive:
                     return self._less_served(bucket.pick(self._rng), bucket.pick(self._rng))
-                if zero_only is None:
+                if zero_only is None and not free_sampler:
                     zero_only = bucket.order
                 continue
-            else:
-                rest = [m for m in bucket.order if m.uid not in exclude and (everyone or self.serves(m, model, needs))]
+            rest = [m for m in bucket.order if m.uid not in exclude and (everyone or self.serves(m, model, needs))]
             scored = [m for m in rest if self._weight(m) > 0.0]
             if scored:
                 weights = [self._weight(m) for m in scored]
                 return self._less_served(_weighted_choice(scored, weights, self._rng),
                                          _weighted_choice(scored, weights, self._rng))
-            if rest and zero_only is None:
+            if rest and zero_only is None and not free_sampler:
                 zero_only = rest
         if zero_only:
             return zero_only[self._rng.randrange(len(zero_only))]
@@ -412,14 +415,26 @@ class Router:
                 needs: frozenset[str] = frozenset(), *, sampled: bool = False) -> Lease | None:
         """Pick a miner (among those serving ``model`` with ``needs``; for a ``sampled`` request, a free one that
         declares the subnet's sampler when there is one) and count one request in flight on it."""
-        m = self.pick(exclude, model, needs, only=_free_sampler) if sampled and self._mixed_samplers() else None
+        m = self.pick(exclude, model, needs, free_sampler=True) if sampled and self._mixed_samplers() else None
         if m is None:
             m = self.pick(exclude, model, needs)
         return None if m is None else self.acquire_uid(m.uid)
 
     def _mixed_samplers(self) -> bool:
-        """Whether some routable miner does not declare the sampler (else the preference changes nothing)."""
-        return not all(m.declares_sampler for m in self._miners.values())
+        """Whether some miners declare the sampler and some do not (else the preference changes nothing, and the
+        pick keeps its fast path). Learned from answers as they come (``MinerState.declares_sampler``), so it is
+        looked at again every :data:`SAMPLER_RECHECK` sampled requests: a preference, a few requests late at most."""
+        self._sampler_check -= 1
+        if self._sampler_check <= 0:
+            self._sampler_check = SAMPLER_RECHECK
+            declaring = 0
+            for m in list(self._miners.values()):
+                declaring += m.declares_sampler
+                if m.declares_sampler != (m.sampler_load is not None) and not m.quarantined:
+                    self._unbucket(m)  # learnt since it was last bucketed (each lease re-buckets it too)
+                    self._bucket_in(m)
+            self._mixed = 0 < declaring < len(self._miners)
+        return self._mixed
 
     def learn_slots(self, m: MinerState, slots: int) -> None:
         """A miner told us how many requests it serves at once. Advisory, so clamped to
@@ -536,8 +551,21 @@ class Router:
             b = self._buckets[load] = _Bucket()
         b.add(m, self._weight(m))
         m.bucket_load = load
+        if m.declares_sampler:
+            s = self._sampler_buckets.get(load)
+            if s is None:
+                s = self._sampler_buckets[load] = _Bucket()
+            s.add(m, self._weight(m))
+            m.sampler_load = load
 
     def _unbucket(self, m: MinerState) -> None:
+        if m.sampler_load is not None:
+            s = self._sampler_buckets.get(m.sampler_load)
+            if s is not None and s.holds(m):
+                s.remove(m)
+                if not len(s):
+                    del self._sampler_buckets[m.sampler_load]
+            m.sampler_load = None
         b = self._buckets.get(m.bucket_load)
         if b is None or not b.holds(m):
             return

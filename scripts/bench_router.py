@@ -8,7 +8,11 @@ per acquire+release). Patterns:
 * ``overlap-K``     — K requests kept in flight, each step acquires one and releases a random one
   (K = 64, 256, 1024: loads from fractional to four per miner);
 * ``mixed-slots``   — as overlap-256, miners with 1..8 slots, so many distinct loads (many buckets);
-* ``retry-exclude`` — overlap-256 with ``exclude`` = two tried miners (the gateway's retry path).
+* ``retry-exclude`` — overlap-256 with ``exclude`` = two tried miners (the gateway's retry path);
+* ``sampled-all``   — overlap-256, every request sampled, every miner declaring the subnet's sampler (the usual
+  subnet: the preference for sampler miners costs a recheck every 64 requests);
+* ``sampled-half``  — the same with half the miners on a stock runtime: each sampled pick looks among the free
+  sampler miners first (the slow path, O(miners)).
 
 Scores are seeded random with a tenth of the miners unmeasured (routed at the prior). Each figure is
 the per-operation time of individual perf_counter_ns timings; the in-flight count is checked to be
@@ -60,11 +64,15 @@ def run_serial(r: Router, ops: int) -> list[int]:
     return times
 
 
-def run_overlap(r: Router, ops: int, in_flight: int, seed: int, exclude_n: int = 0) -> list[int]:
+def run_overlap(r: Router, ops: int, in_flight: int, seed: int, exclude_n: int = 0,
+                declaring: Callable[[int], bool] | None = None) -> list[int]:
     rng = random.Random(seed)
+    sampled = declaring is not None
+    for m in r.miners():
+        m.declares_sampler = declaring is not None and declaring(m.uid)
     live: list[Lease] = []
     for _ in range(in_flight):
-        lease = r.acquire()
+        lease = r.acquire(sampled=sampled)
         assert lease is not None
         live.append(lease)
     uids = [m.uid for m in r.miners()]
@@ -74,7 +82,7 @@ def run_overlap(r: Router, ops: int, in_flight: int, seed: int, exclude_n: int =
         exclude = set(rng.sample(uids, exclude_n)) if exclude_n else frozenset()
         i = rng.randrange(len(live))
         t0 = clock()
-        lease = r.acquire(exclude=exclude)
+        lease = r.acquire(exclude=exclude, sampled=sampled)
         r.release(live[i], served=True)
         times.append(clock() - t0)
         assert lease is not None
@@ -113,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         add(f"overlap-{k}", one, functools.partial(_overlap_k, ops=ops, k=k, seed=a.seed))
     add("mixed-slots", lambda uid: 1 + uid % 8, lambda r: run_overlap(r, ops, 256, a.seed))
     add("retry-exclude", one, lambda r: run_overlap(r, ops, 256, a.seed, exclude_n=2))
+    add("sampled-all", one, lambda r: run_overlap(r, ops, 256, a.seed, declaring=lambda uid: True))
+    add("sampled-half", one, lambda r: run_overlap(r, ops, 256, a.seed, declaring=lambda uid: uid % 2 == 0))
 
     rows, ok_all = [], True
     print(f"router: {a.miners} miners, {ops} acquire+release pairs per pattern (python {sys.version.split()[0]})")

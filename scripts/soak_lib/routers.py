@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 import aiohttp
@@ -26,16 +25,19 @@ ROUTERS = ("project", "deterministic", "slots", "smooth")
 MAX_LEARNED_SLOTS = 64  # /health is advisory: a miner claiming 10**6 slots must not soak up all traffic
 
 
+def _free_sampler(m: MinerState) -> bool:
+    return m.declares_sampler and m.load < 1.0
+
+
 class DeterministicRouter(Router):
     """Least in flight with a deterministic tie-break on score: the design the project replaced."""
 
     def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
-             needs: frozenset[str] = frozenset(), only: Callable[[MinerState], bool] | None = None
-             ) -> MinerState | None:
+             needs: frozenset[str] = frozenset(), *, free_sampler: bool = False) -> MinerState | None:
         best: MinerState | None = None
         best_key: tuple[int, float, int] | None = None
         for m in self.miners():
-            if m.uid in exclude or not self.serves(m, model, needs) or (only is not None and not only(m)):
+            if m.uid in exclude or not self.serves(m, model, needs) or (free_sampler and not _free_sampler(m)):
                 continue
             key = (m.in_flight, -self._weight(m), m.uid)
             if best_key is None or key < best_key:
@@ -51,11 +53,10 @@ class SmoothRouter(Router):
         self._current: dict[tuple[int, str], float] = {}
 
     def pick(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
-             needs: frozenset[str] = frozenset(), only: Callable[[MinerState], bool] | None = None
-             ) -> MinerState | None:
+             needs: frozenset[str] = frozenset(), *, free_sampler: bool = False) -> MinerState | None:
         groups: dict[float, list[MinerState]] = {}
         for m in self.miners():
-            if m.uid not in exclude and self.serves(m, model, needs) and (only is None or only(m)):
+            if m.uid not in exclude and self.serves(m, model, needs) and (not free_sampler or _free_sampler(m)):
                 groups.setdefault(m.load, []).append(m)
         if not groups:
             return None
