@@ -77,6 +77,15 @@ if TYPE_CHECKING:
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
 _CLOSE_AFTER = frozenset({400, 401, 408, 413, 417, 503})  # refusals after which the connection is not worth keeping
 _CTL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters (tab allowed) in a header value
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # line breaks and controls a decoded path may hold
+
+
+def _loggable(path: str) -> str:
+    """The decoded path with its control characters escaped: a client's ``%0A`` must not forge a log line."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                            else f"\\u{ord(m.group()):04x}", path)
+
+
 MODEL_PATH = "/v1/models/"
 
 
@@ -260,8 +269,8 @@ class Gateway:
                 self.outcomes["client_disconnect"] += 1
             finally:
                 if self.config.access_log:
-                    logger.info("{} {} {} {:.1f} ms", scope.get("method"), scope.get("path"), status[0] or "-",
-                                1000 * (time.monotonic() - started))
+                    logger.info("{} {} {} {:.1f} ms", scope.get("method"), _loggable(scope.get("path", "")),
+                                status[0] or "-", 1000 * (time.monotonic() - started))
 
     def _route(self, scope: Scope, headers: dict[str, str]) -> Route:
         if scope.get("http_version") not in ("1.0", "1.1"):

@@ -223,8 +223,15 @@ async def test_a_request_id_is_kept_or_made_returned_and_in_every_log_line_about
             await r.read()
         async with h.client.get(h.base_url + "/health") as r:
             assert r.headers["X-Request-Id"].startswith("req_")  # every answer has one
+        import yarl  # issue 39 row 5: a %0A in the path forged a second access-log line
+
+        async with h.client.get(yarl.URL(h.base_url + "/v1/x%0AGET%20/forged%20200%0D", encoded=True)) as r:
+            assert r.status == 404
     finally:
         logger.remove(sink)
+    logged = "".join(lines)
+    assert "GET /v1/x\\x0aGET /forged 200\\x0d 404" in logged, lines[-3:]
+    assert not any(line.startswith("GET /forged") for line in logged.splitlines())
     about = [line for line in lines if "[trace-42.a:b]" in line]
     assert any("garbage" in line for line in about), lines[-10:]  # the miner's failure, logged with the id
     assert any("POST /v1/chat/completions 502" in line for line in about)  # the access log line

@@ -156,6 +156,8 @@ async def test_the_gateway_routes_around_a_quarantined_miner(make_gateway: Any, 
 
 async def test_reference_service_round_trip_key_and_bad_requests() -> None:
     """--audit.url: the same verdicts over HTTP; a bad body is a 400, a missing key a 401, never a crash."""
+    import json
+
     import aiohttp
 
     from neurons.model.packaged import ModelUnavailable
@@ -187,13 +189,19 @@ async def test_reference_service_round_trip_key_and_bad_requests() -> None:
         finally:
             await wrong_key.aclose()
         async with aiohttp.ClientSession() as s:
-            for body in (b"{", b'{"answer": {"messages": "x"}}', b'{"answer": {"messages": [], "max_tokens": 0}}'):
+            for body in (b"{", b'{"answer": {"messages": "x"}}', b'{"answer": {"messages": [], "max_tokens": 0}}',
+                         b"[" * 5000 + b"]" * 5000):
                 async with s.post(url + AUDIT_PATH, data=body, headers={"Authorization": "Bearer k1"}) as r:
                     assert r.status == 400 and "message" in (await r.json())["error"]
+            # issue 39 row 9: a lone surrogate (valid JSON, not text) was a 500 from the tokenizer; now a 400
+            a0 = m("honest").answer
+            assert a0 is not None
+            lone = json.loads(encode_request(a0, AuditBands()))
+            lone["answer"]["text"] = "ok \ud800"  # json.dumps writes it as the escape a client would send
+            async with s.post(url + AUDIT_PATH, data=json.dumps(lone), headers={"Authorization": "Bearer k1"}) as r:
+                assert r.status == 400 and "surrogate" in (await r.json())["error"]["message"]
         a = m("honest").answer
         assert a is not None
-        import json
-
         assert decode_request(json.loads(encode_request(a, AuditBands(z_limit=5.0)))) == (a, AuditBands(z_limit=5.0))
         seeded = dataclasses.replace(a, sampling=SamplingParams(temperature=0.7, seed=SEED_MAX))
         assert decode_request(json.loads(encode_request(seeded, AuditBands())))[0].sampling.seed == SEED_MAX

@@ -22,6 +22,7 @@ from loguru import logger
 
 from gateway.auth import bearer_matches
 from gateway.http.server import is_loopback
+from gateway.protocol.untrusted import loads as untrusted_json
 
 from .base import Reference
 from .protocol import AUDIT_PATH, KEY_ENV, BadAuditRequest, decode_request, verdict_to_json
@@ -53,9 +54,13 @@ def reference_app(reference: Reference, key: str | None = None) -> web.Applicati
             if not bearer_matches(request.headers.get("Authorization"), key):
                 return _error(401, "missing or wrong bearer key")
         try:
-            answer, bands = decode_request(json.loads(await request.read()))
-        except (ValueError, UnicodeDecodeError) as e:  # BadAuditRequest and bad JSON alike
-            return _error(400, str(e) if isinstance(e, BadAuditRequest) else "body is not valid JSON")
+            raw = untrusted_json(await request.read())
+            json.dumps(raw, ensure_ascii=False).encode("utf-8")  # a lone surrogate is no text any tokenizer takes
+            answer, bands = decode_request(raw)
+        except UnicodeEncodeError:
+            return _error(400, "a string in the body holds a lone surrogate (\\ud800-\\udfff escape): not text")
+        except ValueError as e:  # BadAuditRequest, bad or too deeply nested JSON alike
+            return _error(400, str(e) if isinstance(e, BadAuditRequest) else f"body is not valid JSON ({e})")
         try:
             verdict = await reference.audit(answer, bands)
         except Exception as e:
