@@ -49,11 +49,28 @@ def test_help_documents_smoke(script: str) -> None:
     assert "--smoke" in out and "usage:" in out
 
 
+def test_stock_sampler_smoke_sends_fewer_sampled_requests_to_a_stock_card() -> None:
+    """scripts/bench_stock_sampler.py on the real router: at 20 % utilisation, with sampler cards free, almost no
+    sampled request reaches the stock card now (a third before), and it is never paid more than a sampler card."""
+    out = run_script("bench_stock_sampler.py", "--smoke")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and "%" in line
+            and "->" in line]
+    assert len(rows) == 4, out
+    low = rows[0]
+    before, now = (float(x.strip().rstrip("%")) for x in low[1].split("->"))
+    assert before > 25 and now < 5, low
+    for row in rows:
+        paid_now = float(row[3].split("->")[1].strip().rstrip("x"))
+        assert paid_now < 0.5, row
+    assert out.rstrip().splitlines()[-1].startswith("PASS")
+
+
 def test_router_smoke_prints_every_pattern() -> None:
     out = run_script("bench_router.py", "--smoke", "--miners", "64")
     rows = table_rows(out, "pattern")
     names = [r[0] for r in rows]
-    assert names == ["serial", "overlap-64", "overlap-256", "overlap-1024", "mixed-slots", "retry-exclude"]
+    assert names == ["serial", "overlap-64", "overlap-256", "overlap-1024", "mixed-slots", "retry-exclude",
+                     "sampled-all", "sampled-half"]
     for r in rows:
         mean, p50, p99 = float(r[1]), float(r[2]), float(r[3])
         assert 0 < p50 <= p99 and mean > 0  # real timings, ordered as percentiles must be
