@@ -79,6 +79,8 @@ class Tally:
     alarmed_at: int | None = None  # the answer at which the sequential test alarmed
     sampled_tokens: int = 0
     sampled_seconds: float = 0.0
+    generation_seconds: float = 0.0  # every answer's stream, first byte to last
+    audit_seconds: float = 0.0  # every answer's replay on the reference
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -120,7 +122,10 @@ async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], refere
             except Exception as e:  # noqa: BLE001 - a broken engine is a row of the table, not a crash
                 tally.errors.append(f"{type(e).__name__}: {e}")
                 continue
+            started = time.monotonic()
             verdict = await asyncio.to_thread(replay, reference, a, bands)
+            tally.audit_seconds += time.monotonic() - started
+            tally.generation_seconds += seconds
             if verdict is None:
                 tally.errors.append("too long to replay")
                 continue
@@ -145,16 +150,18 @@ async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], refere
 
 
 def table(tallies: list[Tally]) -> str:
-    rows = ["| engine | answers | greedy pass | seeded pass | failures | sequential test | sampled tok/s | result |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| engine | answers | greedy pass | seeded pass | failures | sequential test | sampled tok/s | "
+            "audit / generation time | result |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for t in tallies:
         fails = ", ".join(f"{k} {v}" for k, v in t.failures.most_common()) or "none"
         alarm = f"alarm at answer {t.alarmed_at}" if t.alarmed_at else "quiet"
         rate = f"{t.sampled_tokens / t.sampled_seconds:.1f}" if t.sampled_seconds else "-"
         want = "all pass" if t.name == HONEST else "caught"
         result = ("PASS" if t.ok() else "FAIL") + f" ({want})"
+        cost = f"{t.audit_seconds:.0f} / {t.generation_seconds:.0f} s" if t.generation_seconds else "-"
         rows.append(f"| {t.name} | {t.answers} | {t.greedy_passed}/{t.greedy} | {t.seeded_passed}/{t.seeded} | "
-                    f"{fails} | {alarm} ({t.misses}/{t.positions} misses) | {rate} | {result} |")
+                    f"{fails} | {alarm} ({t.misses}/{t.positions} misses) | {rate} | {cost} | {result} |")
     for t in tallies:
         rows.extend(f"  {t.name}: {e}" for e in t.errors[:5])
     return "\n".join(rows)
