@@ -494,7 +494,7 @@ class Gateway:
                 except Exception as e:
                     logger.error("could not save API key {!r}'s usage before serving it: {}", policy.name, e)
             await self.admission.admit(policy.name)  # every slot busy: a short wait, fair across keys, or the 429
-            used = prompt_tokens + await self.relay.serve(req, send)
+            used = prompt_tokens + await self.relay.serve(req, _saying_cap(send, req))
         except GatewayError:
             used = 0  # no miner answered: nothing was served
             raise
@@ -511,6 +511,20 @@ class Gateway:
 
 def _model_object(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "tensorgate"}
+
+
+def _saying_cap(send: Send, req: ChatRequest) -> Send:
+    """``send`` that adds ``X-Max-Tokens-Capped: <cap>`` to the answer when the client asked for more tokens than
+    the gateway serves (``GatewayConfig.max_tokens_cap``): served at the cap, and said so, not silently."""
+    if req.max_tokens_asked is None:
+        return send
+    header = (b"x-max-tokens-capped", str(req.max_tokens).encode("ascii"))
+
+    async def capped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), header]}
+        await send(message)
+    return capped
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -136,9 +136,15 @@ async def test_max_tokens_capped_by_config(make_miner, make_gateway):
     h = await make_gateway([m], max_tokens_cap=50, default_max_tokens=20)
     async with h.chat(body(stream=False, max_tokens=10_000)) as r:
         assert r.status == 200
+        assert r.headers["X-Max-Tokens-Capped"] == "50"  # issue 39 row 10: capped, and said so
+    async with h.chat(body(stream=True, max_tokens=51)) as r:
+        assert r.status == 200 and r.headers["X-Max-Tokens-Capped"] == "50"
+        await r.read()
     async with h.chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}]}) as r:
-        assert r.status == 200
-    assert [b["max_tokens"] for b in m.bodies] == [50, 20]
+        assert r.status == 200 and "X-Max-Tokens-Capped" not in r.headers
+    async with h.chat(body(stream=False, max_tokens=50)) as r:
+        assert r.status == 200 and "X-Max-Tokens-Capped" not in r.headers
+    assert [b["max_tokens"] for b in m.bodies] == [50, 50, 20, 50]
 
 
 async def test_429_when_nothing_eligible_or_all_busy(make_miner, make_gateway):

@@ -83,6 +83,7 @@ class ChatRequest:
     n: int = 1  # answers asked for: each from its own miner (gateway.relay), each measured and audited alone
     needs: frozenset[str] = frozenset()  # FEATURES the request uses: only miners declaring them all may serve it
     completion: bool = False  # a /v1/completions request: answered as ``text_completion`` objects
+    max_tokens_asked: int | None = None  # what the client asked when it was over the cap (``max_tokens`` is the cap)
 
     @property
     def sampled(self) -> bool:
@@ -234,6 +235,13 @@ def _messages(value: Any, limits: SchemaLimits) -> list[dict[str, Any]]:
     return out
 
 
+def _asked_over_cap(body: dict[str, Any], limits: SchemaLimits) -> int | None:
+    """The client's ``max_tokens`` when it is over the cap (served at the cap, which the answer's
+    ``X-Max-Tokens-Capped`` header says), else None. Called after :func:`_max_tokens` checked the values."""
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    return asked if isinstance(asked, int) and asked > limits.max_tokens_cap else None
+
+
 def _max_tokens(body: dict[str, Any], limits: SchemaLimits) -> int:
     chosen: int | None = None
     for name in ("max_completion_tokens", "max_tokens"):
@@ -325,6 +333,7 @@ def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
         stream=stream,
         include_usage=include_usage,
         max_tokens=_max_tokens(body, limits),
+        max_tokens_asked=_asked_over_cap(body, limits),
         sampling=sampling,
         prompt_tokens=estimate_prompt_tokens(messages),
         n=n or 1,
