@@ -354,6 +354,8 @@ class Gateway:
             reason = self.readiness()
         elif not self.router.routable():
             reason = "no miner is routable"
+        elif not self.upstream.answering(self.router.miners()):
+            reason = "no routable miner is answering (the last request to each failed to connect, timed out or broke)"
         else:
             reason = None
         if reason is None:

@@ -285,3 +285,27 @@ async def test_ready_says_why_not_while_no_miner_is_routable(make_miner, make_ga
         assert r.status == 503 and (await r.json())["reason"] == "the metagraph is 900 s old"
     async with h.client.get(h.base_url + "/health") as r:
         assert r.status == 200  # alive all along
+
+
+async def test_ready_turns_503_when_the_only_miner_dies_and_back_when_it_answers(make_miner, make_gateway) -> None:
+    """Issue 39 row 4: /ready read membership, so it answered 200 for over 90 s after the only miner died while
+    every request got a 502. Now the first failed dispatch (connection refused) makes it 503, and the first answer
+    after the miner comes back makes it 200 again."""
+    m = await make_miner()
+    h = await make_gateway([m], max_retries=0)
+    async with h.chat(body()) as r:
+        assert r.status == 200
+        await r.read()
+    port = m.port
+    await m.stop()
+    async with h.chat(body()) as r:
+        assert r.status == 502
+    async with h.client.get(h.base_url + "/ready") as r:
+        got = await r.json()
+        assert r.status == 503 and "no routable miner is answering" in got["reason"], got
+    await m.start(port=port)
+    async with h.chat(body()) as r:
+        assert r.status == 200
+        await r.read()
+    async with h.client.get(h.base_url + "/ready") as r:
+        assert r.status == 200

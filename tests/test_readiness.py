@@ -5,9 +5,10 @@ from __future__ import annotations
 from neurons.validator.readiness import REFERENCE_ERRORS, not_ready
 
 
-def _reason(routable: int = 3, age: float | None = 10.0, errors: int = 0, error: str = "") -> str:
+def _reason(routable: int = 3, age: float | None = 10.0, errors: int = 0, error: str = "",
+            answering: int | None = None) -> str:
     return not_ready(routable=routable, metagraph_age_s=age, max_age_s=360.0, reference_errors=errors,
-                     reference_error=error) or ""
+                     reference_error=error, answering=answering) or ""
 
 
 def test_each_reason_flips_readiness() -> None:
@@ -15,6 +16,8 @@ def test_each_reason_flips_readiness() -> None:
     assert "not been read" in _reason(age=None)
     assert "361 s old" in _reason(age=361.0)
     assert "no miner is routable" in _reason(routable=0)
+    assert "no routable miner is answering" in _reason(answering=0)
+    assert _reason(answering=1) == ""
     assert "ConnectionRefusedError" in _reason(errors=REFERENCE_ERRORS, error="ConnectionRefusedError: ...")
     assert _reason(errors=REFERENCE_ERRORS - 1) == ""  # one or two errors in a row: still ready
 

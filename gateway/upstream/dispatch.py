@@ -6,14 +6,14 @@ import asyncio
 import secrets
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from loguru import logger
 
-from scoring.measurement import Measurement, MeasurementSink
+from scoring.measurement import FailureReason, Measurement, MeasurementSink
 
 from ..buckets import DECODE_BOUNDS_TOK_S, TTFT_BOUNDS_S, Buckets
 from ..http.client import MinerClient
@@ -25,6 +25,10 @@ from .config import UpstreamLimits, UpstreamTimeouts
 from .connect import settle
 from .refusals import UpstreamError
 from .stream import UpstreamStream
+
+# What a miner that is down looks like from here (its other failures are answers: wrong, but answers).
+NOT_ANSWERING = frozenset({FailureReason.CONNECT, FailureReason.TIMEOUT, FailureReason.HTTP_STATUS,
+                           FailureReason.DROPPED})
 
 
 @dataclass(slots=True)
@@ -38,6 +42,9 @@ class MinerStats:
     ok: int = 0
     failures: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)  # answers no audit can check, by rule (/v1/status)
+    # Its last dispatch found it not answering at all (refused connection, timeout, 5xx, broken stream): /ready
+    # counts the routable miners that are answering, not merely listed (neurons.validator.readiness).
+    silent: bool = False
 
     def ttft_p50(self) -> float | None:
         return statistics.median(self.ttfts) if self.ttfts else None
@@ -107,6 +114,10 @@ class Upstream:
         on: its audit and pay were fixed at dispatch, so a miner cannot declare per answer)."""
         miner.declares_sampler = declared == SUBNET_SAMPLER
 
+    def answering(self, miners: Iterable[MinerState]) -> int:
+        """How many of ``miners`` (not quarantined) are answering: untried, or their last dispatch got an answer."""
+        return sum(1 for m in miners if not m.quarantined and not (m.uid in self.stats and self.stats[m.uid].silent))
+
     def record(self, m: Measurement) -> None:
         st = self.stats.get(m.uid)
         if st is None:
@@ -114,8 +125,13 @@ class Upstream:
         st.requests += 1
         if m.ok:
             st.ok += 1
+            st.silent = False
         elif m.failure is not None:
             st.failures[m.failure] += 1
+            if m.failure in NOT_ANSWERING:
+                st.silent = True
+            elif m.failure.blames_miner or m.failure == FailureReason.BUSY:  # it answered (wrongly, or busy)
+                st.silent = False
         if m.skipped is not None:
             st.skipped[m.skipped] += 1
         if m.ttft_s is not None:

@@ -339,6 +339,7 @@ class Validator:
         age = None if self._synced_at is None else time.monotonic() - self._synced_at
         auditor = self.auditor
         return not_ready(routable=self.router.routable(), metagraph_age_s=age,
+                         answering=self.upstream.answering(self.router.miners()),
                          max_age_s=self._max_metagraph_age_s,
                          reference_errors=auditor.reference_errors if auditor is not None else 0,
                          reference_error=auditor.reference_error if auditor is not None else "")
