@@ -41,7 +41,7 @@ from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .admission import AdmissionQueue
-from .asgi import BodyTimeout, ClientGone, Message, Receive, Scope, Send, send_json
+from .asgi import BodyTimeout, ClientGone, MalformedBody, Message, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, bearer_matches, load_keys
 from .http.server import HttpServer, is_loopback
 from .metrics import METRICS_KEY_ENV, GatewayCollector
@@ -255,16 +255,25 @@ class Gateway:
                 message = {**message, "headers": [*message.get("headers", ()), rid_header]}
             await send(message)
 
+        body_read = [False]  # the whole body arrived, framed: a 400 about its content may keep the connection
+
+        async def receive_body() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                body_read[0] = True
+            return message
+
         started = time.monotonic()
         with logger.contextualize(request_id=rid):
             try:
                 route = self._route(scope, headers)
-                await route(scope, headers, receive, send_with_id)
+                await route(scope, headers, receive_body, send_with_id)
             except GatewayError as e:
                 self.outcomes[str(e.status)] += 1
                 body = e.body()
                 body["error"]["request_id"] = rid
-                await send_json(send_with_id, e.status, body, headers=e.headers, close=e.status in _CLOSE_AFTER)
+                close = e.status in _CLOSE_AFTER and not (e.status == 400 and body_read[0])
+                await send_json(send_with_id, e.status, body, headers=e.headers, close=close)
             except ClientGone:
                 self.outcomes["client_disconnect"] += 1
             finally:
@@ -316,6 +325,8 @@ class Gateway:
                 message = await receive()
             except BodyTimeout as e:
                 raise GatewayError(408, str(e), code="request_timeout") from None
+            except MalformedBody as e:  # the framing broke: the connection closes after the 400
+                raise GatewayError(400, str(e), code="bad_request") from None
             if message["type"] == "http.disconnect":
                 raise ClientGone
             chunk = message.get("body", b"")

@@ -34,6 +34,11 @@ class BodyTimeout(Exception):
         self.within_s = within_s
 
 
+class MalformedBody(Exception):
+    """The request body broke its framing (a bad chunk size, a truncated chunk): ``receive`` raises it at once,
+    where the body would otherwise never end and the client would wait for the body deadline's 408."""
+
+
 def header_list(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 

@@ -62,10 +62,11 @@ import socket
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from loguru import logger
 
-from ..asgi import BodyTimeout, ClientGone
+from ..asgi import BodyTimeout, ClientGone, MalformedBody
 from ..protocol.errors import error_body
 from .deadlines import ConnectionDeadlines
 
@@ -158,6 +159,7 @@ class _Connection(web.RequestHandler):
     def __init__(self, manager: web.Server, clock: ConnectionDeadlines[Any], **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self.clock = clock
+        self._body: Any = None  # the payload of the last request parsed: a body still arriving, or done
 
     def data_received(self, data: bytes) -> None:
         """Bytes in; each request head that ends before the read does is parsed on its own first, so a malformed
@@ -167,10 +169,22 @@ class _Connection(web.RequestHandler):
         start = 0
         end = data.find(b"\r\n\r\n")
         while end != -1 and end + 4 < len(data):
-            super().data_received(data[start:end + 4])
+            self._feed(data[start:end + 4])
             start = end + 4
             end = data.find(b"\r\n\r\n", start)
-        super().data_received(data[start:] if start else data)
+        self._feed(data[start:] if start else data)
+
+    def _feed(self, data: bytes) -> None:
+        """aiohttp queues a body that breaks its framing as a new malformed request, behind the one whose body it
+        was, which then waits for the rest until the body deadline (a 408 after 30 s): end that body with the
+        error at once, so the request is answered 400 now."""
+        queued = len(self._messages)
+        super().data_received(data)
+        for msg, payload in list(self._messages)[queued:]:
+            if isinstance(msg, RawRequestMessage):
+                self._body = payload
+            elif self._body is not None and not self._body.is_eof():
+                self._body.set_exception(MalformedBody("malformed request body: its chunked framing is broken"))
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.clock.closed(self)
