@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import tomllib
@@ -84,7 +85,7 @@ def _one(action: argparse.Action, raw: Any, where: str) -> Any:
     text = str(raw)
     try:
         value = action.type(text) if callable(action.type) else text
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
         raise SettingsError(f"{where}: invalid value {raw!r} ({e})") from None
     if action.choices is not None and value not in action.choices:
         raise SettingsError(f"{where}: {raw!r} is not one of {', '.join(map(str, action.choices))}")
@@ -114,9 +115,15 @@ def file_settings(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]
         raise SettingsError(f"config file {path}: {e.strerror or e}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SettingsError(f"config file {path}: not TOML ({e})") from None
+    except RecursionError:
+        raise SettingsError(f"config file {path}: tables nested too deeply to be settings") from None
     options = _options(parser)
     out: dict[str, Any] = {}
-    for key, raw in _flatten(table).items():
+    try:
+        flat = _flatten(table)
+    except RecursionError:
+        raise SettingsError(f"config file {path}: tables nested too deeply to be settings") from None
+    for key, raw in flat.items():
         action = options.get(key)
         if action is None:
             raise SettingsError(f"config file {path}: unknown setting {key!r} (a flag's name, e.g. "
@@ -125,13 +132,31 @@ def file_settings(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]
     return out
 
 
+# Variables with a program's prefix that are not flags: secrets, test switches, paths (the README names each).
+NON_FLAG_VARIABLES = frozenset(VALIDATOR_PREFIX + n for n in (
+    "CONFIG", "API_KEYS", "METRICS_KEY", "AUDIT_KEY", "SKIP_REAL", "SKIP_REDIS", "SKIP_VLLM", "MODEL_DIR",
+    "FIELD_DIR", "DOCKER_BASE"))
+_PREFIXES = (VALIDATOR_PREFIX, MINER_PREFIX, REFERENCE_PREFIX)
+
+
 def env_settings(env: Mapping[str, str], parser: argparse.ArgumentParser, prefix: str) -> dict[str, Any]:
-    """The environment's settings (``<prefix><FLAG>``), by destination."""
+    """The environment's settings (``<prefix><FLAG>``), by destination. A variable with the program's prefix that
+    names no flag is refused like an unknown file key (a typo must not be a silently ignored setting); another
+    program's prefix and :data:`NON_FLAG_VARIABLES` are not this program's settings."""
     out: dict[str, Any] = {}
+    names: dict[str, str] = {}
     for flag, action in _options(parser).items():
         name = env_name(flag, prefix)
+        names[name] = flag
         if name in env:
             out[action.dest] = _coerce(action, env[name], f"${name}", from_env=True)
+    others = tuple(p for p in _PREFIXES if p != prefix and p.startswith(prefix))
+    for name in env:
+        if (name.startswith(prefix) and name not in names and name not in NON_FLAG_VARIABLES
+                and not name.startswith(others) and name != prefix + "CONFIG"):
+            near = difflib.get_close_matches(name, list(names), n=1)
+            hint = f"; did you mean ${near[0]} (--{names[near[0]]})?" if near else ""
+            raise SettingsError(f"${name}: no such setting (a flag's name in capitals after {prefix}){hint}")
     return out
 
 

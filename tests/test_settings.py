@@ -99,3 +99,86 @@ def test_the_reference_service_reads_its_own_prefix(tmp_path: Path) -> None:
     cfg_file = _file(tmp_path, 'threads = 4\nhost = "0.0.0.0"\n')
     args = reference_args(["--config", cfg_file], env={"TENSORGATE_REFERENCE_PORT": "8111", "TENSORGATE_PORT": "1"})
     assert (args.threads, args.host, args.port, args.model) == (4, "0.0.0.0", 8111, "packaged")
+
+
+# -- the config fuzz (issue 39 row 3): every number flag, three sources, hostile values --------------------------
+
+_HOSTILE = ["nan", "inf", "-inf", "-1", "1e400", "99999999999999999999", "abc", "", "0x10", "1.5", "-0"]
+
+
+def _number_flags(parser: object) -> list[tuple[str, object]]:
+    import argparse
+
+    assert isinstance(parser, argparse.ArgumentParser)
+    return [(a.option_strings[0], a.type) for a in parser._actions
+            if a.option_strings and getattr(a.type, "__module__", "") == "neurons.flag_types"]
+
+
+def _programs() -> list[tuple[str, object, list[str], str, object]]:
+    """(name, parse, base argv, env prefix, parser) of the three programs."""
+    from neurons.miner.cli import build_parser as miner_parser
+    from neurons.reference.__main__ import build_parser as reference_parser
+    from neurons.reference.__main__ import parse_args as reference
+    from neurons.validator.config import build_parser
+
+    return [("validator", parse_args, ["--local", "--state-dir", "/tmp/tg-fuzz"], "TENSORGATE_", build_parser()),
+            ("miner", miner_args, ["--dev-key", "Bob"], "TENSORGATE_MINER_", miner_parser()),
+            ("reference", reference, [], "TENSORGATE_REFERENCE_", reference_parser())]
+
+
+def test_every_number_flag_refuses_hostile_values_from_every_source_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each number flag of the validator, the miner and the reference, given nan, inf, out-of-range, huge and
+    non-numbers on the command line, in the environment and in the TOML file: either the value parses within the
+    flag's range, or the program exits 2 with one line naming the setting. Never a traceback (nine settings used to
+    end in one, exit 1)."""
+    import math
+
+    from neurons.settings import env_name
+
+    checked = 0
+    for name, parse, base, prefix, parser in _programs():
+        flags = _number_flags(parser)
+        assert len(flags) >= 3, name  # the programs' number flags all carry a range
+        for flag, _ in flags:
+            for value in _HOSTILE:
+                table, _, key = flag[2:].rpartition(".")
+                toml = tmp_path / "c.toml"
+                toml.write_text((f"[{table}]\n" if table else "") + f"{key} = \"{value}\"\n")
+                for argv, env in ((base + [flag, value], {}),
+                                  (base, {env_name(flag[2:], prefix): value}),
+                                  (base + ["--config", str(toml)], {})):
+                    try:
+                        ns = parse(argv, env)  # type: ignore[operator]
+                    except SystemExit as e:
+                        assert e.code == 2, (name, flag, value)
+                        err = capsys.readouterr().err.strip().splitlines()
+                        assert err and "Traceback" not in "\n".join(err), (name, flag, value, err)
+                        continue
+                    dest = next(a.dest for a in parser._actions if flag in a.option_strings)  # type: ignore[attr-defined]
+                    got = getattr(ns, dest)
+                    assert got is None or (math.isfinite(got) and got >= 0), (name, flag, value, got)
+                    checked += 1
+    assert checked > 0  # some hostile values are fine ("1.5" seconds, "-0")
+
+
+def test_unknown_variables_and_deep_tables_are_refused_and_log_levels_and_redis_urls_checked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--local", "--state-dir", str(tmp_path)]
+    for argv, env, says in (
+            (base, {"TENSORGATE_GATEWAY_PROT": "8001"}, "did you mean $TENSORGATE_GATEWAY_PORT"),
+            (base + ["--log-level", "LOUD"], {}, "unknown log level"),
+            (base + ["--redis.url", "localhost:6379"], {}, "redis://"),
+            (base + ["--gateway.port", "70000"], {}, "[0, 65535]")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv, env)
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    # other programs' variables and the documented non-flag ones are not the validator's settings
+    ok = parse_args(base, {"TENSORGATE_MINER_SLOTS": "2", "TENSORGATE_SKIP_REAL": "1", "TENSORGATE_API_KEYS": "k"})
+    assert ok.log_level == "INFO"
+    assert parse_args(base + ["--log-level", "debug"], {}).log_level == "DEBUG"
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "{b = " * 3000 + "1" + "}" * 3000 + "\n")
+    with pytest.raises(SystemExit) as e:
+        parse_args(base + ["--config", str(deep)], {})
+    assert e.value.code == 2 and "nested too deeply" in capsys.readouterr().err

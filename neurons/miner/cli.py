@@ -21,6 +21,7 @@ from loguru import logger
 from gateway.protocol.openai import FEATURES, SUBNET_SAMPLER
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
+from ..flag_types import bound, log_level
 from ..settings import MINER_PREFIX, add_config_flag, resolve
 from ..supervise import until_stop_signal
 from .runtimes.base import Runtime
@@ -29,8 +30,7 @@ from .server import DEFAULT_MAX_BODY, start_miner
 from .trust import AllowList, PermitTrust, Trust
 
 
-def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> argparse.Namespace:
-    """Flags, then ``TENSORGATE_MINER_<FLAG>`` variables, then ``--config``'s TOML file (:mod:`neurons.settings`)."""
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m neurons.miner",
                                 description="tensorgate reference miner: signed, slot-limited chat completions")
     add_config_flag(p, MINER_PREFIX)
@@ -81,7 +81,16 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     p.add_argument("--trust.refresh", dest="trust_refresh", type=float, default=300.0,
                    help="seconds between metagraph refreshes of the trusted validators")
     p.add_argument("--max-body", dest="max_body", type=int, default=DEFAULT_MAX_BODY, help="request body cap (bytes)")
-    p.add_argument("--log-level", dest="log_level", default="INFO")
+    p.add_argument("--log-level", dest="log_level", type=log_level, default="INFO")
+    bound(p, {"netuid": (0, 65535), "axon.port": (0, 65535), "slots": (1, 1024), "runtime.contexts": (1, 1024),
+              "runtime.threads": (1, 256), "runtime.seed": (0, 2**64 - 1), "trust.min-stake": (0, 1e15),
+              "trust.refresh": (1, 86400), "max-body": (1024, 1 << 31)})
+    return p
+
+
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Flags, then ``TENSORGATE_MINER_<FLAG>`` variables, then ``--config``'s TOML file (:mod:`neurons.settings`)."""
+    p = build_parser()
     args = resolve(p, argv, env, prefix=MINER_PREFIX)
     if args.slots < 1:
         p.error("--slots must be >= 1")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from ..flag_types import bound
 from ..model.packaged import ModelUnavailable
 from ..settings import REFERENCE_PREFIX, add_config_flag, resolve
 from ..supervise import until_stop_signal
@@ -35,8 +36,7 @@ async def _run(args: argparse.Namespace, path: Path | None) -> int:
     return 0
 
 
-def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> argparse.Namespace:
-    """Flags, then ``TENSORGATE_REFERENCE_<FLAG>`` variables, then ``--config``'s TOML file (neurons.settings)."""
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m neurons.reference", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flag(p, REFERENCE_PREFIX)
@@ -45,7 +45,13 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--threads", type=int, default=1, help="CPU threads of the model")
     p.add_argument("--context", type=int, default=4096, help="context in tokens (longer answers are not audited)")
-    return resolve(p, argv, env, prefix=REFERENCE_PREFIX)
+    bound(p, {"port": (0, 65535), "threads": (1, 256), "context": (64, 1 << 20)})
+    return p
+
+
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Flags, then ``TENSORGATE_REFERENCE_<FLAG>`` variables, then ``--config``'s TOML file (neurons.settings)."""
+    return resolve(build_parser(), argv, env, prefix=REFERENCE_PREFIX)
 
 
 def main(argv: list[str] | None = None) -> int:

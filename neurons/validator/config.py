@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
+from ..flag_types import LOG_LEVELS, bound, log_level, redis_url
 from ..settings import VALIDATOR_PREFIX, add_config_flag, resolve
 
 DEFAULT_MODEL = "tensorgate/sim-5090"
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--gateway.only", dest="gateway_only", action="store_true",
                     help="run only a gateway (no chain, no scoring, no weights) routing by what the validator "
                          "publishes in --redis.url: more gateways on this machine or others")
-    gw.add_argument("--redis.url", dest="redis_url", default=d.redis_url,
+    gw.add_argument("--redis.url", dest="redis_url", type=redis_url, default=d.redis_url,
                     help="Redis shared by every gateway process of this validator (redis://host:6379/0)")
     gw.add_argument("--redis.gateways", dest="redis_gateways", type=int, default=d.redis_gateways,
                     help="gateway processes sharing --redis.url on all machines (default: --gateway.workers): "
@@ -247,12 +248,29 @@ def build_parser() -> argparse.ArgumentParser:
                     choices=("random", "stop-early", "cached", "hot", "greedy", "truncated", "own-rng"),
                     help="real mode: add a cheating miner of this kind (repeatable), to watch the audit catch it")
     p.add_argument("--seed", type=int, default=None, help="seed the router, probes and traffic (reproducible runs)")
-    p.add_argument("--log-level", dest="log_level", default=d.log_level, help="DEBUG | INFO | WARNING")
+    p.add_argument("--log-level", dest="log_level", type=log_level, default=d.log_level,
+                   help=f"one of {', '.join(LOG_LEVELS)}")
     p.add_argument("--log.format", dest="log_format", choices=("text", "json"), default=d.log_format,
                    help="text (dated lines) | json (one object a line: time, level, message, request_id)")
     p.add_argument("--log.access", dest="log_access", action="store_true",
                    help="an access log: one line per gateway request (method, path, status, time, request id)")
+    bound(p, _RANGES)
     return p
+
+
+# What each number flag accepts (neurons.flag_types.bound): beyond these a value is refused at parse time.
+_RANGES: dict[str, tuple[float, float]] = {
+    "netuid": (0, 65535), "chain.connect-retries": (0, 100), "gateway.port": (0, 65535),
+    "gateway.max-retries": (0, 16), "gateway.first-byte-budget": (0.001, 3600), "gateway.max-connections": (1, 10**6),
+    "gateway.queue-seconds": (0, 3600), "gateway.offers-seconds": (0.1, 86400), "gateway.drain-seconds": (0, 3600),
+    "gateway.workers": (1, 256), "redis.gateways": (1, 4096), "redis.lease-seconds": (1, 3600),
+    "round.seconds": (0.1, 7 * 86400), "settlement.rounds": (1, 10**5), "weights.interval": (1, 10**7),
+    "weights.version-key": (0, 2**64 - 1), "probes.per-round": (0, 1000), "metagraph.sync-blocks": (1, 10**6),
+    "validator.min-stake": (0, 1e15), "restore.max-age": (0, 10**9), "audit.rate": (0, 1), "audit.queue": (1, 10**6),
+    "audit.threads": (1, 256), "audit.context": (64, 1 << 20), "local.rounds": (0, 10**6), "local.miners": (0, 64),
+    "local.round-seconds": (0.05, 86400), "local.block-time": (0.01, 3600), "local.traffic-rps": (0, 10**4),
+    "seed": (0, 2**64 - 1),
+}
 
 
 def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> ValidatorConfig:
