@@ -212,6 +212,27 @@ async def test_redis_down_admits_a_local_share_of_each_limit() -> None:
         await link.aclose()
 
 
+async def test_a_fallback_share_is_cut_from_what_the_key_had_used_when_redis_went_away(links: Links) -> None:
+    """Issue 39 row 6: each process's fallback share ignored what the key had already used (rpm key 72 of 60,
+    tpd key 3,480 of 3,000 across an outage). Two processes use 8 of a key's 10 requests a minute through Redis,
+    then Redis goes away: together they admit at most the 2 left, and nothing more within that minute."""
+    a_link, b_link = links()
+    a, b = SharedLimits(a_link, QuotaBook(), share=2), SharedLimits(b_link, QuotaBook(), share=2)
+    policy = KeyPolicy("frank", rpm=10, tpd=1000)
+    now = time.time()
+    for i in range(8):
+        assert isinstance(await (a if i % 2 else b).admit(policy, 10, now), SharedTicket)
+    for link in (a_link, b_link):
+        link.failed(OSError("redis went away"))
+    later = now + 1.0
+    admitted = [await lim.admit(policy, 10, later) for lim in (a, b) for _ in range(6)]
+    assert sum(isinstance(t, Ticket) for t in admitted) <= 2  # 10 - 8 left, however the processes split it
+    assert a.fallbacks + b.fallbacks == 12
+    # a minute on, the per-minute window is the whole share again; the daily tokens stay cut (80 of 1000 used)
+    share = a.local_share(policy, now + 61.0)
+    assert share.rpm == 5 and share.tpd == (1000 - 80) // 2
+
+
 def _measurement(i: int, *, answer: bool = False) -> Measurement:
     kept = Answer(messages=[{"role": "user", "content": f"q{i}"}], sampling=SamplingParams(0.7, 0.9, False, 42),
                   max_tokens=8, stop=(), text=f"a{i}", token_ids=(1, 2), finish_reason="stop") if answer else None

@@ -41,7 +41,9 @@ from ..quota import DAY_S, KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
 from .link import NOW_MS, RENEW, RedisError, RedisLink, interrupted, woken
 
 # KEYS: streams zset, rpm hash, tpm hash, day hash. ARGV: streams, rpm, tpm, tpd (-1: none), reserve, ticket, ttl ms.
-# Returns {0, second} when admitted; {code, figure, wait s} when not (1 streams, 2 rpm, 3 tpm, 4 tpd, 5 too big).
+# Returns {0, second, 0, requests this minute, tokens this minute, tokens today} when admitted (the key's use with
+# this request, summed over every process); {code, figure, wait s} when not (1 streams, 2 rpm, 3 tpm, 4 tpd, 5 too
+# big).
 _ADMIT = NOW_MS + """
 local sec = tonumber(t[1])
 local streams, rpm, tpm, tpd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -88,7 +90,7 @@ redis.call('EXPIRE', KEYS[3], 120)
 redis.call('HINCRBY', KEYS[4], 'requests', 1)
 redis.call('HINCRBY', KEYS[4], 'tokens', reserve)
 redis.call('EXPIRE', KEYS[4], 172800)
-return {0, sec, 0}
+return {0, sec, 0, rsum + 1, tsum + reserve, used + reserve}
 """
 
 # KEYS: streams zset, tpm hash, day hash. ARGV: ticket, admitted second, delta tokens.
@@ -145,30 +147,47 @@ class SharedLimits:
         self._settles: list[tuple[SharedTicket, int]] = []  # (ticket, tokens used less reserved), to send
         self._wake = asyncio.Event()
         self.fallbacks = 0  # admissions by the local share while Redis was down
+        # each key's use as Redis last told it (at, day, requests this minute, tokens this minute, tokens today):
+        # what a fallback share is cut from, so an outage never admits what the key had already used
+        self._seen: dict[str, tuple[float, str, int, int, int]] = {}
 
     def _keys(self, name: str, day: str) -> list[str]:
         k = self.link.key
         return [k("key", name, "streams"), k("key", name, "rpm"), k("key", name, "tpm"), k("key", name, "day", day)]
 
-    def local_share(self, policy: KeyPolicy) -> KeyPolicy:
-        """Each limit divided among the processes (at least 1): what one process admits while Redis is away."""
-        def cut(x: int | None) -> int | None:
-            return None if x is None else max(1, x // self.share)
-        return dataclasses.replace(policy, rpm=cut(policy.rpm), tpm=cut(policy.tpm), tpd=cut(policy.tpd),
-                                   streams=cut(policy.streams))
+    def local_share(self, policy: KeyPolicy, now: float | None = None) -> KeyPolicy:
+        """What one process admits while Redis is away: what is left of each limit, divided among the processes.
+        Left is the limit less the key's use Redis last reported (within its minute for the per-minute limits,
+        within its UTC day for the daily one); a key never seen is left its whole limit, and each process at least
+        1 of a limit nothing is known against (an outage's first requests are not all refused)."""
+        now = time.time() if now is None else now
+        seen = self._seen.get(policy.name)
+        minute = seen is not None and now - seen[0] < 60.0
+        today = seen is not None and seen[1] == utc_day(now)
+
+        def cut(limit: int | None, used: int | None) -> int | None:
+            if limit is None:
+                return None
+            if used is None:
+                return max(1, limit // self.share)
+            return max(0, limit - used) // self.share
+        return dataclasses.replace(policy, rpm=cut(policy.rpm, seen[2] if minute and seen else None),
+                                   tpm=cut(policy.tpm, seen[3] if minute and seen else None),
+                                   tpd=cut(policy.tpd, seen[4] if today and seen else None),
+                                   streams=cut(policy.streams, None))
 
     async def admit(self, policy: KeyPolicy, reserve: int, now: float | None = None) -> SharedTicket | Ticket | Refusal:
         now = time.time() if now is None else now
         if not policy.limited or not self.link.usable():
             if policy.limited:
                 self.fallbacks += 1
-            return self.local.admit(self.local_share(policy) if policy.limited else policy, reserve, now)
+            return self.local.admit(self.local_share(policy, now) if policy.limited else policy, reserve, now)
         reserve = max(0, int(reserve))
         day = utc_day(now)
         token = f"{self._name}:{next(self._ids)}"
         args = [-1 if x is None else x for x in (policy.streams, policy.rpm, policy.tpm, policy.tpd)]
         try:
-            code, figure, wait = (int(x) for x in await self._admit(
+            code, figure, wait, *use = (int(x) for x in await self._admit(
                 keys=self._keys(policy.name, day), args=[*args, reserve, token, self.ttl_ms]))
         except (asyncio.CancelledError, RedisError, OSError) as e:
             if interrupted(e):
@@ -178,9 +197,11 @@ class SharedLimits:
                 raise asyncio.CancelledError from None
             self.link.failed(e)
             self.fallbacks += 1
-            return self.local.admit(self.local_share(policy), reserve, now)
+            return self.local.admit(self.local_share(policy, now), reserve, now)
         self.link.worked()
         if code == 0:
+            if len(use) == 3:
+                self._seen[policy.name] = (now, day, use[0], use[1], use[2])
             ticket = SharedTicket(policy.name, reserve, figure, day, token, streams=policy.streams is not None)
             if ticket.streams:
                 self._live[token] = ticket
