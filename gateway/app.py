@@ -486,8 +486,8 @@ class Gateway:
             req = dataclasses.replace(req, prompt_tokens=prompt_tokens)
         reserve = prompt_tokens + req.n * req.max_tokens
         shared = self.key_limits
-        ticket = (self.quota.admit(policy, reserve, time.time()) if shared is None
-                  else await shared.admit(policy, reserve))
+        ticket = (self.quota.admit(policy, reserve, time.time(), streams=req.n) if shared is None
+                  else await shared.admit(policy, reserve, streams=req.n))
         if isinstance(ticket, Refusal):
             raise rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
                                ticket.retry_after_s)

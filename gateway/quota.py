@@ -68,6 +68,14 @@ class Ticket:
     day: str
     charge: list[float]  # its [at, tokens] entry in the key's minute window, corrected when it settles
     settled: bool = False
+    streams: int = 1  # the key's concurrent streams it holds (a request for n answers holds n)
+
+
+def stream_detail(in_flight: int, asked: int, limit: int) -> str:
+    """Why a request's streams do not fit the key's limit, in the refusal's words."""
+    if asked > 1:
+        return f"this request asks for {asked} streams (n={asked}); {in_flight} of {limit} in flight"
+    return f"{in_flight} of {limit} streams in flight"
 
 
 @dataclass(slots=True)
@@ -109,12 +117,14 @@ class QuotaBook:
             u.minute_sum -= int(u.minute_tokens.popleft()[1])
         return u
 
-    def admit(self, policy: KeyPolicy, reserve: int, now: float) -> Ticket | Refusal:
-        """Admit one request that may use up to ``reserve`` tokens, or say which limit it would break."""
+    def admit(self, policy: KeyPolicy, reserve: int, now: float, *, streams: int = 1) -> Ticket | Refusal:
+        """Admit one request that may use up to ``reserve`` tokens and hold ``streams`` miner streams at once (its
+        ``n``), or say which limit it would break."""
         u = self._of(policy.name, now)
         reserve = max(0, int(reserve))
-        if policy.streams is not None and u.in_flight >= policy.streams:
-            return Refusal("concurrent streams", 1.0, f"{u.in_flight} of {policy.streams} streams in flight")
+        streams = max(1, int(streams))
+        if policy.streams is not None and u.in_flight + streams > policy.streams:
+            return Refusal("concurrent streams", 1.0, stream_detail(u.in_flight, streams, policy.streams))
         if policy.rpm is not None and len(u.minute_requests) >= policy.rpm:
             wait = u.minute_requests[0] + MINUTE_S - now
             return Refusal("requests per minute", wait, f"{len(u.minute_requests)} of {policy.rpm} in the last minute")
@@ -130,14 +140,14 @@ class QuotaBook:
             wait = (math.floor(now / DAY_S) + 1) * DAY_S - now
             return Refusal("tokens per day", wait, f"{u.tokens} of {policy.tpd} used today (UTC), this request may "
                                                    f"use {reserve}")
-        u.in_flight += 1
+        u.in_flight += streams
         u.requests += 1
         u.tokens += reserve
         u.minute_requests.append(now)
         charge = [now, float(reserve)]
         u.minute_tokens.append(charge)
         u.minute_sum += reserve
-        return Ticket(policy.name, reserve, now, u.day, charge)
+        return Ticket(policy.name, reserve, now, u.day, charge, streams=streams)
 
     @staticmethod
     def _tokens_free_in(u: KeyUsage, room: int, now: float) -> float:
@@ -155,7 +165,7 @@ class QuotaBook:
             return
         ticket.settled = True
         u = self._of(ticket.key, now)
-        u.in_flight = max(0, u.in_flight - 1)
+        u.in_flight = max(0, u.in_flight - ticket.streams)
         delta = max(0, int(used)) - ticket.reserved
         if u.day == ticket.day:
             u.tokens = max(0, u.tokens + delta)

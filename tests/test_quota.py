@@ -121,6 +121,24 @@ async def _gateway_with_key(make_miner: Any, make_gateway: Any, tmp_path: Path, 
     return m, await make_gateway([m], keys_file=str(keys))
 
 
+async def test_the_gateway_counts_n_streams_for_a_request_for_n_answers(make_miner, make_gateway,
+                                                                        tmp_path: Path) -> None:
+    """Issue 39 row 7 at the front door: n=3 from a key limited to 2 streams is a 429 naming the streams it asks
+    for, and reaches no miner; n=2 is served."""
+    from tests.fakes import body, error_of
+
+    m, h = await _gateway_with_key(make_miner, make_gateway, tmp_path, "sk-pair name=pair streams=2")
+    pair = {"Authorization": "Bearer sk-pair"}
+    async with h.chat(body(stream=False, max_tokens=4, n=3), headers=pair) as r:
+        assert r.status == 429
+        assert "asks for 3 streams" in (await error_of(r))["message"]
+    assert m.requests == 0
+    async with h.chat(body(stream=False, max_tokens=4, n=2), headers=pair) as r:
+        assert r.status in (200, 502)  # one miner: the second answer may find it busy; admitted either way
+        await r.read()
+    assert m.requests >= 1
+
+
 async def test_gateway_answers_429_rate_limit_exceeded_and_shows_the_callers_usage(make_miner, make_gateway,
                                                                                     tmp_path: Path) -> None:
     from tests.fakes import body, error_of
@@ -215,3 +233,19 @@ async def test_the_gateway_writes_a_keys_claim_before_the_miner_is_asked(make_mi
     async with h.chat(body(max_tokens=4), headers={"Authorization": "Bearer sk-daily"}) as r:
         assert r.status == 200  # a state file that cannot be written never costs the client its answer
         await r.read()
+
+
+def test_a_request_for_n_answers_holds_n_of_the_keys_streams() -> None:
+    """Issue 39 row 7: ``n=8`` from a key limited to 1 stream held 8 miner streams (one request counted once)."""
+    book = QuotaBook()
+    one = KeyPolicy("solo", streams=1)
+    refused = book.admit(one, 10, 0.0, streams=8)
+    assert isinstance(refused, Refusal) and "asks for 8 streams" in refused.detail
+    four = KeyPolicy("quad", streams=4)
+    held = book.admit(four, 10, 0.0, streams=3)
+    assert isinstance(held, Ticket)
+    assert isinstance(book.admit(four, 10, 0.0, streams=2), Refusal)  # 3 + 2 > 4
+    single = book.admit(four, 10, 0.0)
+    assert isinstance(single, Ticket)  # 3 + 1 fits
+    book.settle(held, 5, 1.0)
+    assert isinstance(book.admit(four, 10, 1.0, streams=3), Ticket)  # its 3 streams came back at settle

@@ -331,7 +331,9 @@ async def test_redis_down_the_gateway_serves_on_and_sends_its_measurements_when_
             server.kill()
             for _ in range(8):
                 await ask()
-            assert statuses == [200] * 7 + [429] * 3  # 2 with Redis; then 10 // 2 processes = 5 a minute locally
+            # 2 with Redis; then this process's share of the 8 the key had left: 8 // 2 processes = 4 (issue 39 row 6:
+            # the share of the whole limit, 5, ignored what the key had used)
+            assert statuses == [200] * 6 + [429] * 4
             assert len(parts.shared.publisher) >= 5  # waiting for Redis
             server.start()
             link = parts.shared.link
@@ -347,7 +349,7 @@ async def test_redis_down_the_gateway_serves_on_and_sends_its_measurements_when_
             assert "tensorgate_shared_limit_fallbacks_total 8.0" in metrics  # the 8 asked while Redis was away
         reader = MeasurementReader(RedisLink(server.url, NS))
         got = await reader.pull()
-        assert len(got) == 7 and all(m.ok for m in got) and link.up
+        assert len(got) == 6 and all(m.ok for m in got) and link.up
         await reader.link.aclose()
     finally:
         await parts.aclose()

@@ -233,6 +233,27 @@ async def test_a_fallback_share_is_cut_from_what_the_key_had_used_when_redis_wen
     assert share.rpm == 5 and share.tpd == (1000 - 80) // 2
 
 
+async def test_a_request_for_n_answers_holds_n_streams_across_processes(links: Links) -> None:
+    """Issue 39 row 7, with Redis: n=3 holds 3 of a key's 4 streams subnet-wide (members ticket#1..#3), renewed
+    and freed together; another process's n=2 is refused until they are freed."""
+    a_link, b_link = links()
+    a, b = SharedLimits(a_link, QuotaBook(), share=2), SharedLimits(b_link, QuotaBook(), share=2)
+    policy = KeyPolicy("gina", streams=4)
+    three = await a.admit(policy, 10, streams=3)
+    assert isinstance(three, SharedTicket) and three.streams == 3
+    refused = await b.admit(policy, 10, streams=2)
+    assert isinstance(refused, Refusal) and "asks for 2 streams" in refused.detail and "3 of 4" in refused.detail
+    one = await b.admit(policy, 10)
+    assert isinstance(one, SharedTicket)
+    used = await a.usage("gina")
+    assert used is not None and used["in_flight"] == 4
+    a.settle(three, 10)
+    await a.flush()
+    again = await b.admit(policy, 10, streams=3)
+    assert isinstance(again, SharedTicket)  # the 3 were freed at settle
+    assert isinstance(await b.admit(KeyPolicy("hank", streams=1), 10, streams=8), Refusal)
+
+
 def _measurement(i: int, *, answer: bool = False) -> Measurement:
     kept = Answer(messages=[{"role": "user", "content": f"q{i}"}], sampling=SamplingParams(0.7, 0.9, False, 42),
                   max_tokens=8, stop=(), text=f"a{i}", token_ids=(1, 2), finish_reason="stop") if answer else None

@@ -37,17 +37,18 @@ from typing import Any
 
 from loguru import logger
 
-from ..quota import DAY_S, KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
+from ..quota import DAY_S, KeyPolicy, QuotaBook, Refusal, Ticket, stream_detail, utc_day
 from .link import NOW_MS, RENEW, RedisError, RedisLink, interrupted, woken
 
-# KEYS: streams zset, rpm hash, tpm hash, day hash. ARGV: streams, rpm, tpm, tpd (-1: none), reserve, ticket, ttl ms.
+# KEYS: streams zset, rpm hash, tpm hash, day hash. ARGV: streams, rpm, tpm, tpd (-1: none), reserve, ticket, ttl ms,
+# streams this request holds (its n: members ticket#1..ticket#n).
 # Returns {0, second, 0, requests this minute, tokens this minute, tokens today} when admitted (the key's use with
 # this request, summed over every process); {code, figure, wait s} when not (1 streams, 2 rpm, 3 tpm, 4 tpd, 5 too
 # big).
 _ADMIT = NOW_MS + """
 local sec = tonumber(t[1])
 local streams, rpm, tpm, tpd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local reserve, ttl = tonumber(ARGV[5]), tonumber(ARGV[7])
+local reserve, ttl, need = tonumber(ARGV[5]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local function window(key)
   local all = redis.call('HGETALL', key)
   local sum, entries = 0, {}
@@ -61,7 +62,7 @@ end
 if streams >= 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
   local n = redis.call('ZCARD', KEYS[1])
-  if n >= streams then return {1, n, 1} end
+  if n + need > streams then return {1, n, 1} end
 end
 local rsum, rent = window(KEYS[2])
 if rpm >= 0 and rsum >= rpm then return {2, rsum, rent[1][1] + 60 - sec} end
@@ -80,7 +81,7 @@ end
 local used = tonumber(redis.call('HGET', KEYS[4], 'tokens') or '0')
 if tpd >= 0 and used + reserve > tpd then return {4, used, 0} end
 if streams >= 0 then
-  redis.call('ZADD', KEYS[1], now + ttl, ARGV[6])
+  for i = 1, need do redis.call('ZADD', KEYS[1], now + ttl, ARGV[6] .. '#' .. i) end
   redis.call('PEXPIRE', KEYS[1], 2 * ttl)
 end
 redis.call('HINCRBY', KEYS[2], sec, 1)
@@ -93,12 +94,12 @@ redis.call('EXPIRE', KEYS[4], 172800)
 return {0, sec, 0, rsum + 1, tsum + reserve, used + reserve}
 """
 
-# KEYS: streams zset, tpm hash, day hash. ARGV: ticket, admitted second, delta tokens.
+# KEYS: streams zset, tpm hash, day hash. ARGV: admitted second, delta tokens, then the ticket's stream members.
 _SETTLE = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-local delta = tonumber(ARGV[3])
+for i = 3, #ARGV do redis.call('ZREM', KEYS[1], ARGV[i]) end
+local delta = tonumber(ARGV[2])
 if delta ~= 0 then
-  if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then redis.call('HINCRBY', KEYS[2], ARGV[2], delta) end
+  if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then redis.call('HINCRBY', KEYS[2], ARGV[1], delta) end
   if redis.call('EXISTS', KEYS[3]) == 1 then
     if redis.call('HINCRBY', KEYS[3], 'tokens', delta) < 0 then redis.call('HSET', KEYS[3], 'tokens', 0) end
   end
@@ -125,8 +126,11 @@ class SharedTicket:
     second: int  # Redis's second it was admitted in (its bucket in the minute window)
     day: str
     token: str
-    streams: bool  # holds one of the key's concurrent streams
+    streams: int  # the key's concurrent streams it holds (members token#1..token#n; 0 for a key without the limit)
     settled: bool = False
+
+    def members(self) -> list[str]:
+        return [f"{self.token}#{i}" for i in range(1, self.streams + 1)]
 
 
 class SharedLimits:
@@ -176,37 +180,42 @@ class SharedLimits:
                                    tpd=cut(policy.tpd, seen[4] if today and seen else None),
                                    streams=cut(policy.streams, None))
 
-    async def admit(self, policy: KeyPolicy, reserve: int, now: float | None = None) -> SharedTicket | Ticket | Refusal:
+    async def admit(self, policy: KeyPolicy, reserve: int, now: float | None = None, *,
+                    streams: int = 1) -> SharedTicket | Ticket | Refusal:
+        """Admit a request of up to ``reserve`` tokens holding ``streams`` miner streams at once (its ``n``)."""
         now = time.time() if now is None else now
+        streams = max(1, int(streams))
         if not policy.limited or not self.link.usable():
             if policy.limited:
                 self.fallbacks += 1
-            return self.local.admit(self.local_share(policy, now) if policy.limited else policy, reserve, now)
+            return self.local.admit(self.local_share(policy, now) if policy.limited else policy, reserve, now,
+                                    streams=streams)
         reserve = max(0, int(reserve))
         day = utc_day(now)
         token = f"{self._name}:{next(self._ids)}"
         args = [-1 if x is None else x for x in (policy.streams, policy.rpm, policy.tpm, policy.tpd)]
         try:
             code, figure, wait, *use = (int(x) for x in await self._admit(
-                keys=self._keys(policy.name, day), args=[*args, reserve, token, self.ttl_ms]))
+                keys=self._keys(policy.name, day), args=[*args, reserve, token, self.ttl_ms, streams]))
         except (asyncio.CancelledError, RedisError, OSError) as e:
             if interrupted(e):
                 # the client left while we asked: a stream the script may have taken is given back (what it
                 # charged stays: at most one request's reservation, against the key)
-                self.settle(SharedTicket(policy.name, reserve, 0, day, token, streams=True), reserve)
+                self.settle(SharedTicket(policy.name, reserve, 0, day, token, streams=streams), reserve)
                 raise asyncio.CancelledError from None
             self.link.failed(e)
             self.fallbacks += 1
-            return self.local.admit(self.local_share(policy, now), reserve, now)
+            return self.local.admit(self.local_share(policy, now), reserve, now, streams=streams)
         self.link.worked()
         if code == 0:
             if len(use) == 3:
                 self._seen[policy.name] = (now, day, use[0], use[1], use[2])
-            ticket = SharedTicket(policy.name, reserve, figure, day, token, streams=policy.streams is not None)
+            ticket = SharedTicket(policy.name, reserve, figure, day, token,
+                                  streams=streams if policy.streams is not None else 0)
             if ticket.streams:
                 self._live[token] = ticket
             return ticket
-        return _refusal(code, figure, wait, policy, reserve, now)
+        return _refusal(code, figure, wait, policy, reserve, now, streams)
 
     async def usage(self, name: str, now: float | None = None) -> dict[str, Any] | None:
         """Key ``name``'s use today summed over every process (``/v1/status``); None while Redis is away."""
@@ -245,9 +254,9 @@ class SharedLimits:
             try:
                 await self.flush()
                 if loop.time() >= renew_at and self._live:
-                    live = list(self._live.values())
-                    await self._renew(keys=[self._keys(t.key, t.day)[0] for t in live],
-                                      args=[self.ttl_ms, "0", *(t.token for t in live)])
+                    held = [(self._keys(t.key, t.day)[0], member) for t in self._live.values()
+                            for member in t.members()]
+                    await self._renew(keys=[k for k, _ in held], args=[self.ttl_ms, "0", *(m for _, m in held)])
                     renew_at = loop.time() + self.ttl_ms / 3000
             except (RedisError, OSError) as e:
                 self.link.failed(e)
@@ -262,7 +271,8 @@ class SharedLimits:
             pipe = self.link.redis.pipeline(transaction=False)
             for t, delta in settles:
                 keys = self._keys(t.key, t.day)
-                await self._settle(keys=[keys[0], keys[2], keys[3]], args=[t.token, t.second, delta], client=pipe)
+                await self._settle(keys=[keys[0], keys[2], keys[3]], args=[t.second, delta, *t.members()],
+                                   client=pipe)
             await pipe.execute()
         except BaseException:
             self._settles[:0] = settles
@@ -270,10 +280,11 @@ class SharedLimits:
         self.link.worked()
 
 
-def _refusal(code: int, figure: int, wait: int, policy: KeyPolicy, reserve: int, now: float) -> Refusal:
+def _refusal(code: int, figure: int, wait: int, policy: KeyPolicy, reserve: int, now: float,
+             streams: int = 1) -> Refusal:
     limit = _LIMITS.get(code, "requests per minute")
     if code == 1:
-        detail = f"{figure} of {policy.streams} streams in flight"
+        detail = stream_detail(figure, streams, policy.streams or 0)
     elif code == 2:
         detail = f"{figure} of {policy.rpm} in the last minute"
     elif code == 5:
