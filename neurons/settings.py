@@ -10,7 +10,9 @@ and a file key:
   hold all three, + the flag's name in capitals, dots and dashes
   as underscores; a repeatable flag takes a comma-separated list, a switch ``true``/``false``);
 * ``[gateway] port = 8001`` in the file named by ``--config`` (or ``<PREFIX>CONFIG``): a table per dotted
-  prefix, keys as the flag spells them (``keys-file = "keys.txt"``, top-level ``netuid = 7``).
+  prefix, keys as the flag spells them (``keys-file = "keys.txt"``, top-level ``netuid = 7``). A switch whose name
+  is also a table (``--local`` and ``[local]``) is ``enabled`` in that table, since TOML cannot hold both
+  ``local = true`` and ``[local]``.
 
 A value from the environment or the file goes through the flag's own type and choices, so a bad one is refused as
 a bad flag would be: one line naming where it came from, exit 2. An unknown file key is refused the same way (a
@@ -125,6 +127,9 @@ def file_settings(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]
         raise SettingsError(f"config file {path}: tables nested too deeply to be settings") from None
     for key, raw in flat.items():
         action = options.get(key)
+        owner, _, leaf = key.rpartition(".")
+        if action is None and leaf == "enabled" and isinstance(options.get(owner), argparse._StoreTrueAction):
+            action = options[owner]  # a switch whose name is also a table: `[local] enabled = true` is `--local`
         if action is None:
             raise SettingsError(f"config file {path}: unknown setting {key!r} (a flag's name, e.g. "
                                 f"[gateway] port for --gateway.port)")

@@ -182,3 +182,16 @@ def test_unknown_variables_and_deep_tables_are_refused_and_log_levels_and_redis_
     with pytest.raises(SystemExit) as e:
         parse_args(base + ["--config", str(deep)], {})
     assert e.value.code == 2 and "nested too deeply" in capsys.readouterr().err
+
+
+def test_a_switch_that_is_also_a_table_is_enabled_in_it(tmp_path: Path) -> None:
+    """Issue 39 row 3: ``local = true`` beside a ``[local]`` table is not TOML, so --local and its settings could
+    not share one file; ``[local] enabled = true`` is --local."""
+    f = tmp_path / "local.toml"
+    f.write_text(f'state-dir = "{tmp_path}"\n[local]\nenabled = true\nrounds = 3\n')
+    cfg = parse_args(["--config", str(f)], {})
+    assert cfg.local and cfg.local_rounds == 3
+    f.write_text("[gateway]\nenabled = true\n")  # not a switch: still an unknown key
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--local", "--config", str(f)], {})
+    assert e.value.code == 2
