@@ -388,25 +388,12 @@ async def test_calibration_against_an_honest_miner_writes_bands_the_validator_lo
     """Issue 25 item 3: ``python -m neurons.reference.calibrate`` asks a miner what a validator asks, replays the
     answers on the reference and writes the bands file (here the miner runs the reference's own runtime, so the
     spread is the CPU-against-CPU one and the bands stay the defaults)."""
-    from neurons.keys import dev_keypair
-    from neurons.miner.server import start_miner
-    from neurons.miner.trust import AllowList
     from neurons.reference.bands import load_bands
     from neurons.reference.calibrate import main as calibrate_main
 
-    rt = LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1)
-    await rt.start()
-    alice = dev_keypair("Alice").ss58_address
-    runner, port = await start_miner(dev_keypair("Bob"), rt, slots=1, trust=AllowList({alice}), contexts=1)
     out = tmp_path / "bands.json"
-    try:
-        rc = await asyncio.to_thread(calibrate_main, ["--miner", f"http://127.0.0.1:{port}", "--dev-key", "Alice",
-                                                      "--answers", "6", "--out", str(out), "--context", "2048",
-                                                      "--top-p", "0.9",  # the nucleus slack measured too
-                                                      "--seed", "4"])  # its first request is sampled
-    finally:
-        await runner.cleanup()
-        await rt.aclose()
+    rc = await _calibrate_against(LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1), out,
+                                  "--top-p", "0.9")  # the nucleus slack measured too
     assert rc == 0
     bands, test = load_bands(out)
     measured = json.loads(out.read_text())["measured"]
@@ -430,24 +417,30 @@ async def test_calibration_against_a_miner_that_declares_the_sampler_and_ignores
     """Issue 37: a miner that declares the subnet sampler and draws seeded requests with its own RNG (what stock
     vLLM without the plugin does) once calibrated into a near-tie band of 24.56 nats. Now calibrate refuses: exit 2,
     one line saying why, no bands file."""
+    out = tmp_path / "bands.json"
+    rc = await _calibrate_against(LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1,
+                                               generate=CHEATS["own-rng"]), out)
+    assert rc == 2 and not out.exists()
+
+
+async def _calibrate_against(rt: LlamaRuntime, out: Path, *extra: str) -> int:
+    """``python -m neurons.reference.calibrate`` (6 answers, seed 4: its first request is sampled) against ``rt``
+    served by the reference miner that trusts Alice; its exit code."""
     from neurons.keys import dev_keypair
     from neurons.miner.server import start_miner
     from neurons.miner.trust import AllowList
     from neurons.reference.calibrate import main as calibrate_main
 
-    rt = LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1, generate=CHEATS["own-rng"])
     await rt.start()
     alice = dev_keypair("Alice").ss58_address
     runner, port = await start_miner(dev_keypair("Bob"), rt, slots=1, trust=AllowList({alice}), contexts=1)
-    out = tmp_path / "bands.json"
     try:
-        rc = await asyncio.to_thread(calibrate_main, ["--miner", f"http://127.0.0.1:{port}", "--dev-key", "Alice",
-                                                      "--answers", "6", "--out", str(out), "--context", "2048",
-                                                      "--seed", "4"])
+        return await asyncio.to_thread(calibrate_main, ["--miner", f"http://127.0.0.1:{port}", "--dev-key", "Alice",
+                                                        "--answers", "6", "--out", str(out), "--context", "2048",
+                                                        "--seed", "4", *extra])
     finally:
         await runner.cleanup()
         await rt.aclose()
-    assert rc == 2 and not out.exists()
 
 
 # -- tools in the subnet's tool format (issue 27) -----------------------------------------------
