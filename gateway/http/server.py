@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ipaddress
+import itertools
 import json
 import logging
 import socket
@@ -180,7 +181,7 @@ class _Connection(web.RequestHandler):
         error at once, so the request is answered 400 now."""
         queued = len(self._messages)
         super().data_received(data)
-        for msg, payload in list(self._messages)[queued:]:
+        for msg, payload in itertools.islice(self._messages, queued, None):  # only what this read queued
             if isinstance(msg, RawRequestMessage):
                 self._body = payload
             elif self._body is not None and not self._body.is_eof():
