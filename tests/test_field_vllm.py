@@ -27,7 +27,7 @@ if os.environ.get("TENSORGATE_SKIP_VLLM") == "1":
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "field"))
 
-from check import audit_engine, requests  # noqa: E402
+from check import audit_engine, requests, tool_requests  # noqa: E402
 from engines import FIELD, VENV_PYTHON, Engine, served_all  # noqa: E402
 from rig import CHEAP_DIR, HONEST_DIR  # noqa: E402
 
@@ -89,6 +89,18 @@ def test_greedy_and_seeded_answers_from_vllm_with_the_plugin_pass(urls: dict[str
     assert (tally.greedy, tally.seeded) == (3, 6)
     assert tally.greedy_passed == 3 and tally.seeded_passed == 6, tally.failures
     assert tally.misses == 0 and tally.alarmed_at is None and tally.positions > 100
+
+
+def test_tool_requests_answered_by_vllm_pass_their_audit(urls: dict[str, str], reference: LlamaEngine) -> None:
+    """Tools in the subnet's format through vLLM: the proxy writes the tool turns (vLLM renders them with the
+    shipped template, the reference's prompt id for id) and turns the call the model wrote into tool-call deltas.
+    Every answer, call or text, greedy or seeded, passes the audit token for token; the model does call the tool
+    (on the old proxy vLLM rendered its own re-serialized tools and every answer failed)."""
+    bodies = tool_requests(6, seed=37, call_tokens=lambda text: len(reference.text_ids(text)))
+    tally = asyncio.run(audit_engine("honest", urls["honest"], bodies, reference, AuditBands()))
+    assert not tally.errors, tally.errors
+    assert tally.answers == 6 and tally.failed == 0 and tally.alarmed_at is None, tally.failures
+    assert tally.calls >= 2, tally  # the greedy ones call get_weather (3 of 3 here)
 
 
 def test_vllm_that_declares_the_sampler_without_running_it_is_caught(urls: dict[str, str],

@@ -21,7 +21,9 @@ from aiohttp import web
 from bittensor.sp_core import Keypair
 
 from gateway.offers import SIGNATURE_HEADER, OfferError, read_offer
-from gateway.protocol.openai import CHAT_PATH, SUBNET_SAMPLER
+from gateway.protocol.openai import CHAT_PATH, SUBNET_SAMPLER, TOOLS
+from gateway.protocol.sse import SSEParser, fold_tool_calls, frame, parse_chunk
+from gateway.protocol.tools import prompt_messages
 from neurons.chain.base import NeuronInfo
 from neurons.keys import MissingKeyError, dev_keypair, load_hotkey
 from neurons.miner.cli import main, parse_args
@@ -413,9 +415,17 @@ class FakeOpenAI:
         self.bodies: list[dict[str, Any]] = []
         self.gate = asyncio.Event()
         self.finished = False
+        self.script: list[bytes] | None = None  # frames to answer with, whole, instead of the default stream
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        if self.script is not None:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for piece in self.script:
+                await resp.write(piece)
+            await resp.write_eof()
+            return resp
         if self.mode in ("400", "429", "500"):
             err = {"error": {"message": f"upstream says {self.mode}", "type": "x", "param": None, "code": None}}
             return web.json_response(err, status=int(self.mode))
@@ -495,6 +505,86 @@ async def test_proxy_relays_chunk_by_chunk(session: aiohttp.ClientSession, upstr
     async for _ in ProxyRuntime(url, session).stream(BODY):
         pass
     assert fake.bodies[1]["model"] == "caller-model"
+
+
+def _vllm_frames(pieces: list[tuple[str, list[int]]], finish: str) -> list[bytes]:
+    """A vLLM chat stream with ``return_token_ids``: role, one chunk a piece, finish, usage, [DONE]."""
+    head = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    frames = [frame({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})]
+    frames += [frame({**head, "choices": [{"index": 0, "delta": {"content": t}, "token_ids": ids}]})
+               for t, ids in pieces]
+    frames.append(frame({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}))
+    frames.append(frame({**head, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5}}))
+    return [*frames, b"data: [DONE]\n\n"]
+
+
+def _answer(raw: bytes) -> tuple[str, dict[int, dict[str, Any]], list[int], str | None, list[dict[str, int]]]:
+    """What a validator reads from a miner's stream: text, folded calls, token ids, finish, usage chunks."""
+    text, finish = "", None
+    calls: dict[int, dict[str, Any]] = {}
+    ids: list[int] = []
+    usages: list[dict[str, int]] = []
+    for event in SSEParser().feed(raw):
+        if event == "[DONE]":
+            continue
+        info = parse_chunk(event)
+        text += info.content
+        ids += info.token_ids or ()
+        if info.tool_calls:
+            fold_tool_calls(calls, info.tool_calls)
+        finish = info.finish_reason or finish
+        if info.usage:
+            usages.append(info.usage)
+    return text, calls, ids, finish, usages
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}]
+TOOL_BODY = {**BODY, "tools": WEATHER, "return_token_ids": True}
+
+
+async def test_proxy_writes_tool_turns_and_turns_a_written_call_into_tool_call_deltas(
+        session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str]) -> None:
+    """A runtime that renders its own template re-serializes ``tools``, so a proxy declaring ``tools`` sends the
+    subnet's tool turns instead (the prompt the reference renders) and parses the call the model wrote: the
+    validator gets OpenAI's tool-call deltas, finish ``tool_calls``, usage, and every token id in order."""
+    fake, url = upstream
+    call = [("<tool_call>", [1, 2]), ('\n{"name": "get_weather", ', [3]), ('"arguments": {"city": "Paris"}}', [4]),
+            ("\n</tool_call>", [5, 6])]
+    fake.script = _vllm_frames(call, "stop")
+    rt = ProxyRuntime(url, session, features=frozenset({TOOLS}))
+    raw = b"".join([c async for c in rt.stream(TOOL_BODY)])
+    sent = fake.bodies[0]
+    assert "tools" not in sent and sent["messages"] == prompt_messages(TOOL_BODY)
+    assert "get_weather" in sent["messages"][0]["content"] and sent["return_token_ids"] is True
+    text, calls, ids, finish, usages = _answer(raw)
+    assert text == "" and finish == "tool_calls" and ids == [1, 2, 3, 4, 5, 6]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris"})]
+    assert usages == [{"prompt_tokens": 9, "completion_tokens": 5}] and raw.endswith(b"data: [DONE]\n\n")
+    # a text answer flows on as text with its ids and the runtime's finish
+    fake.script = _vllm_frames([("It is", [7]), (" sunny.", [8, 9])], "length")
+    text, calls, ids, finish, _ = _answer(b"".join([c async for c in rt.stream(TOOL_BODY)]))
+    assert (text, calls, ids, finish) == ("It is sunny.", {}, [7, 8, 9], "length")
+    # tool_choice none: the turns are still written (same prompt as the reference) and the stream relayed as is
+    fake.script = _vllm_frames([("<tool_call>", [1])], "stop")
+    raw = b"".join([c async for c in rt.stream({**TOOL_BODY, "tool_choice": "none"})])
+    assert "tools" not in fake.bodies[-1] and raw == b"".join(fake.script)
+    # a runtime that breaks its stream's framing fails the answer cleanly, never half a call
+    fake.script = [b'data: {"choices": 7}\n\n']
+    with pytest.raises(RuntimeFailure, match="unreadable"):
+        async for _ in rt.stream(TOOL_BODY):
+            pass
+
+
+async def test_proxy_without_the_tools_feature_passes_tools_through(
+        session: aiohttp.ClientSession, upstream: tuple[FakeOpenAI, str]) -> None:
+    fake, url = upstream
+    fake.script = _vllm_frames([("<tool_call>", [1])], "stop")
+    raw = b"".join([c async for c in ProxyRuntime(url, session).stream(TOOL_BODY)])
+    assert fake.bodies[0]["tools"] == WEATHER and fake.bodies[0]["messages"] == BODY["messages"]
+    assert raw == b"".join(fake.script)
 
 
 @pytest.mark.parametrize("mode,status,msg", [("400", 400, "upstream says 400"), ("429", 429, "upstream says 429"),

@@ -72,6 +72,10 @@ class LlamaEngine:
         """The prompt as the model sees it: the chat template, BOS first, special tokens parsed."""
         return [int(t) for t in self._llm.tokenize(render(messages).encode("utf-8"), add_bos=True, special=True)]
 
+    def text_ids(self, text: str) -> list[int]:
+        """``text`` as the model's tokens (no BOS, special tokens parsed): what it takes the model to write it."""
+        return [int(t) for t in self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)]
+
     def piece(self, token_id: int) -> bytes:
         """The bytes one token adds to the text (special tokens add none)."""
         b = self._pieces.get(token_id)

@@ -23,6 +23,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,10 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gateway.metering import StreamMeter  # noqa: E402
-from gateway.protocol.openai import SUBNET_SAMPLER  # noqa: E402
+from gateway.protocol.openai import SUBNET_SAMPLER, TOOLS  # noqa: E402
 from gateway.protocol.sampling import SamplingParams  # noqa: E402
+from gateway.protocol.tools import call_text  # noqa: E402
+from gateway.upstream.record import answer_of  # noqa: E402
 from neurons.miner.runtimes.proxy import ProxyRuntime  # noqa: E402
 from neurons.model.engine import LlamaEngine  # noqa: E402
 from neurons.model.packaged import MODEL_ID, model_path  # noqa: E402
@@ -65,6 +68,44 @@ def requests(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
+                   "required": ["city"]}}}
+CITIES = ("Paris", "Lagos", "Osaka", "Lima", "Perth", "Quito", "Hanoi", "Delhi")
+
+
+def _call(city: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_0", "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+def tool_requests(n: int, seed: int, call_tokens: Callable[[str], int] | None = None) -> list[dict[str, Any]]:
+    """``n`` chat bodies offering one tool (``tool_choice`` auto, so audited) after one earlier call and its result
+    (the 270M model imitates that call; asked cold it echoes the tool preamble): every other one greedy, the rest
+    seeded. ``call_tokens``: the tokens a text takes the model; a greedy request's ``max_tokens`` is then the length
+    of the call it should write (the model runs on past ``</tool_call>``, which would make the answer text)."""
+    rng = random.Random(seed + 2)
+    out = []
+    for i in range(n):
+        city = CITIES[i % len(CITIES)]
+        history = [{"role": "user", "content": "What is the weather in Oslo?"}, _call("Oslo"),
+                   {"role": "tool", "tool_call_id": "call_0", "content": "cold, 2 C"},
+                   {"role": "assistant", "content": "It is cold in Oslo: 2 C."}]
+        body: dict[str, Any] = {"model": MODEL_ID, "max_tokens": 48, "tools": [WEATHER],
+                                "messages": [*history, {"role": "user", "content": f"What is the weather in {city}?"}]}
+        if i % 2 == 0:
+            body["temperature"] = 0.0
+            if call_tokens is not None:
+                body["max_tokens"] = call_tokens(call_text("get_weather", json.dumps({"city": city})))
+        else:
+            body["temperature"] = 0.7
+            body["seed"] = rng.getrandbits(62)
+        out.append(body)
+    return out
+
+
 @dataclass
 class Tally:
     name: str
@@ -77,6 +118,7 @@ class Tally:
     positions: int = 0
     misses: int = 0
     alarmed_at: int | None = None  # the answer at which the sequential test alarmed
+    calls: int = 0  # answers that were tool calls (finish tool_calls), audited like any answer
     sampled_tokens: int = 0
     sampled_seconds: float = 0.0
     generation_seconds: float = 0.0  # every answer's stream, first byte to last
@@ -94,16 +136,14 @@ class Tally:
 
 
 async def answer(rt: ProxyRuntime, body: dict[str, Any]) -> tuple[Answer, float]:
-    """What the validator keeps of the engine's answer (as gateway.upstream builds it), and its seconds."""
+    """What the validator keeps of the engine's answer (gateway.upstream's own rule), and its seconds."""
     meter = StreamMeter(max_tokens=body["max_tokens"], started_at=0.0, keep_answer=True)
     start = time.monotonic()
     async for frames in rt.stream({**body, "return_token_ids": True}):
         meter.feed(frames, now=time.monotonic() - start)
     if not (meter.done and meter.ids_complete):
         raise RuntimeError("the stream ended without its token ids")
-    return (Answer(messages=body["messages"], sampling=SamplingParams.of(body), max_tokens=body["max_tokens"],
-                   stop=(), text="".join(meter.text), token_ids=tuple(meter.ids),
-                   finish_reason=meter.finish_reason), time.monotonic() - start)
+    return answer_of(body, SamplingParams.of(body), body["max_tokens"], meter), time.monotonic() - start
 
 
 async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], reference: LlamaEngine,
@@ -115,7 +155,8 @@ async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], refere
     test = SequentialTest()
     evidence = 0.0
     async with aiohttp.ClientSession() as session:
-        rt = ProxyRuntime(url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER if forward_seed else None)
+        rt = ProxyRuntime(url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER if forward_seed else None,
+                          features=frozenset({TOOLS}))
         for i, body in enumerate(bodies):
             try:
                 a, seconds = await answer(rt, body)
@@ -130,6 +171,7 @@ async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], refere
                 tally.errors.append("too long to replay")
                 continue
             tally.answers += 1
+            tally.calls += a.tool_calls is not None
             seeded = a.sampling.seed is not None and a.sampling.temperature > 0
             if seeded:
                 tally.seeded += 1
@@ -150,9 +192,9 @@ async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], refere
 
 
 def table(tallies: list[Tally]) -> str:
-    rows = ["| engine | answers | greedy pass | seeded pass | failures | sequential test | sampled tok/s | "
-            "audit / generation time | result |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| engine | answers | tool calls | greedy pass | seeded pass | failures | sequential test | "
+            "sampled tok/s | audit / generation time | result |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for t in tallies:
         fails = ", ".join(f"{k} {v}" for k, v in t.failures.most_common()) or "none"
         alarm = f"alarm at answer {t.alarmed_at}" if t.alarmed_at else "quiet"
@@ -160,8 +202,9 @@ def table(tallies: list[Tally]) -> str:
         want = "all pass" if t.name == HONEST else "caught"
         result = ("PASS" if t.ok() else "FAIL") + f" ({want})"
         cost = f"{t.audit_seconds:.0f} / {t.generation_seconds:.0f} s" if t.generation_seconds else "-"
-        rows.append(f"| {t.name} | {t.answers} | {t.greedy_passed}/{t.greedy} | {t.seeded_passed}/{t.seeded} | "
-                    f"{fails} | {alarm} ({t.misses}/{t.positions} misses) | {rate} | {cost} | {result} |")
+        rows.append(f"| {t.name} | {t.answers} | {t.calls} | {t.greedy_passed}/{t.greedy} | "
+                    f"{t.seeded_passed}/{t.seeded} | {fails} | {alarm} ({t.misses}/{t.positions} misses) | "
+                    f"{rate} | {cost} | {result} |")
     for t in tallies:
         rows.extend(f"  {t.name}: {e}" for e in t.errors[:5])
     return "\n".join(rows)
@@ -175,8 +218,9 @@ async def run(args: argparse.Namespace) -> int:
             print(f"--engine wants NAME=URL, got {spec!r}", file=sys.stderr)
             return 2
         engines.append((name, url))
-    bodies = requests(args.answers, args.seed)
     reference = LlamaEngine(model_path(), n_ctx=4096, threads=1)
+    bodies = requests(args.answers, args.seed) + tool_requests(args.tool_answers, args.seed,
+                                                               lambda text: len(reference.text_ids(text)))
     tallies = [await audit_engine(name, url, bodies, reference, AuditBands()) for name, url in engines]
     print(table(tallies))
     if args.json:
@@ -190,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="append", required=True, help="NAME=URL; NAME 'honest' must pass, others "
                    "must be caught (repeatable)")
     p.add_argument("--answers", type=int, default=30)
+    p.add_argument("--tool-answers", type=int, default=6, help="answers to requests offering a tool (vLLM renders "
+                   "the proxy's tool turns; a call comes back as tool-call deltas)")
     p.add_argument("--seed", type=int, default=37)
     p.add_argument("--json", help="also write the figures here")
     return asyncio.run(run(p.parse_args(argv)))

@@ -11,6 +11,10 @@ A vLLM started with the subnet's sampler (``--logits-processors neurons.miner.vl
 and the miner declares the sampler to validators, who then audit its sampled answers token by token and pay
 for them. Without it the runtime draws with its own RNG: free draws, audited for plausibility and not paid.
 
+With ``tools`` among its declared features the proxy writes tools and tool history into the turns itself and turns
+a call the model wrote back into tool-call deltas (:mod:`.tool_relay`): the runtime renders the same prompt the
+reference does, so its tool calls are audited and paid like any answer.
+
 Example::
 
     async with aiohttp.ClientSession() as session:
@@ -23,18 +27,19 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from loguru import logger
 
-from gateway.protocol.openai import FEATURES, SUBNET_SAMPLER
+from gateway.protocol.openai import FEATURES, SUBNET_SAMPLER, TOOLS
 from gateway.protocol.sampling import is_seed
 
 from ..vllm_plugin import SEED_ARG
 from .base import RuntimeFailure, RuntimeHealth
+from .tool_relay import may_call, relay_calls, tool_body
 
 _MAX_ERROR_BODY = 64 * 1024
 
@@ -116,7 +121,8 @@ class ProxyRuntime:
             self._problem = f"unreachable: {type(e).__name__}"
 
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-        body = dict(payload)
+        written = tool_body(payload) if TOOLS in self.features else None
+        body = dict(payload) if written is None else written
         if self._model:
             body["model"] = self._model
         body["stream"] = True
@@ -134,7 +140,10 @@ class ProxyRuntime:
                     raise map_status(resp.status, msg)
                 started = True
                 self._problem = None
-                async for chunk in resp.content.iter_any():
+                source: AsyncIterable[bytes] = resp.content.iter_any()
+                if written is not None and may_call(payload):
+                    source = relay_calls(source, payload)
+                async for chunk in source:
                     yield chunk
         except TimeoutError:
             if started:
