@@ -175,11 +175,14 @@ async def test_retries_are_bounded(make_miner, make_gateway):
     assert [x.failure for x in h.measurements()] == [FailureReason.HTTP_STATUS] * 3
 
 
+LONG = [{"role": "user", "content": "x" * 4200}]  # ~1,054 tokens by the estimate, up to 4x that: may not fit 4,096
+
+
 async def test_a_request_the_model_cannot_serve_is_the_clients_400_not_the_miners_failure(make_miner, make_gateway):
     too_long = await make_miner(Script("too_long"), tag="a-")
     other = await make_miner(Script("too_long"), tag="b-")
     h = await make_gateway([too_long, other], max_retries=2)
-    async with h.chat(body()) as r:
+    async with h.chat(body(messages=LONG)) as r:
         assert r.status == 400
         err = await error_of(r)
     assert err["code"] == "context_length_exceeded" and "maximum context length" in err["message"]
@@ -189,16 +192,39 @@ async def test_a_request_the_model_cannot_serve_is_the_clients_400_not_the_miner
     assert not any(m.failure.blames_miner for m in ms if m.failure)
 
 
+async def test_too_long_for_a_request_that_fits_the_model_is_the_miners_refusal(make_miner, make_gateway):
+    """Issue 38: 1-slot sybils answering 400 ``context_length_exceeded`` when busy were never blamed (1.15-1.33x an
+    honest card) and 11-15 % of users got a 400. A request the gateway reads as fitting the model's context is
+    served by another miner; the claim is the miner's failure; the client never sees a miner's 400."""
+    liar = await make_miner(Script("too_long"), tag="a-")
+    other_liar = await make_miner(Script("too_long"), tag="b-")
+    honest = await make_miner(Script("ok"), tag="c-")
+    h = await make_gateway([liar, other_liar, honest], max_retries=2)
+    for _ in range(6):
+        async with h.chat(body()) as r:
+            assert r.status == 200  # even when both liars are asked first
+            await read_sse(r)
+    refused = [m for m in h.measurements() if m.failure is not None]
+    assert refused and all(m.failure == FailureReason.HTTP_STATUS and m.failure.blames_miner for m in refused)
+    assert {m.hotkey for m in refused} <= {liar.hotkey, other_liar.hotkey}
+    # with no miner willing to serve it, a request that fits is the subnet's failure (502), never the client's 400
+    only_liars = await make_gateway([await make_miner(Script("too_long"), tag="d-"),
+                                     await make_miner(Script("too_long"), tag="e-")], max_retries=2)
+    async with only_liars.chat(body()) as r:
+        assert r.status == 502
+        await error_of(r)
+
+
 async def test_one_miners_claim_that_the_client_is_at_fault_is_checked_with_another(make_miner, make_gateway):
     liar = await make_miner(Script("too_long"), tag="a-")
     honest = await make_miner(Script("ok"), tag="b-")
     h = await make_gateway([liar, honest], max_retries=2)
     for _ in range(6):
-        async with h.chat(body()) as r:
+        async with h.chat(body(messages=LONG)) as r:
             assert r.status == 200  # whichever is asked first, the honest miner serves it
             await read_sse(r)
     alone = await make_gateway([await make_miner(Script("too_long"), tag="c-")], max_retries=2)
-    async with alone.chat(body()) as r:
+    async with alone.chat(body(messages=LONG)) as r:
         assert r.status == 400  # no other miner to ask: the one answer there is
 
 

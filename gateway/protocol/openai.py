@@ -51,6 +51,7 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function name, as OpenAI allows 
 
 
 DEFAULT_MAX_TOKENS = 256  # completion length when a request names none
+MODEL_CONTEXT = 4096  # tokens of prompt + answer every miner serves: the subnet model's context, as the reference's
 _BODY_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once, not per request
 CHAT_PATH = "/v1/chat/completions"  # the one route, on the gateway and on every miner
 SLOTS_HEADER = "X-Miner-Slots"  # streams a miner serves each validator at once, on every answer and 429

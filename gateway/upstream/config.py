@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..protocol.openai import DEFAULT_MAX_TOKENS
+from ..protocol.openai import DEFAULT_MAX_TOKENS, MODEL_CONTEXT
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,3 +33,6 @@ class UpstreamLimits:
     # The reference renders tools in the subnet's tool format (gateway.protocol.tools): tool answers are audited.
     # False (the toy reference of the simulated cards): they are skipped (rule "tools").
     audit_tools: bool = False
+    # Tokens of prompt + answer every miner must serve (the subnet model's context): a miner's "too long" for a
+    # request that fits is its refusal, not the client's fault (refusals.may_not_fit).
+    model_context: int = MODEL_CONTEXT

@@ -72,11 +72,14 @@ async def post_signed(client: MinerClient, signer: RequestSigner, miner: MinerSt
     raise AssertionError("unreachable")
 
 
-async def check_head(resp: aiohttp.ClientResponse, *, within_s: float, in_flight: int, slots: int) -> None:
+async def check_head(resp: aiohttp.ClientResponse, *, within_s: float, in_flight: int, slots: int,
+                     may_not_fit: bool = False) -> None:
     """Raise :class:`ConnectFailed` unless ``resp`` is a 200 event stream, uncompressed.
 
     A refusal's small body is read (within ``within_s``) so its connection can be reused. ``in_flight`` and
-    ``slots`` are this validator's streams on the miner and its declared slots, both at dispatch.
+    ``slots`` are this validator's streams on the miner and its declared slots, both at dispatch. ``may_not_fit``:
+    the gateway's own reading that the request may be too long for the model (:func:`.refusals.may_not_fit`);
+    only then is a miner's "the client's fault" believed.
     """
     status = resp.status
     if status != 200:
@@ -84,9 +87,10 @@ async def check_head(resp: aiohttp.ClientResponse, *, within_s: float, in_flight
         if status == 429:
             raise ConnectFailed(refusal(in_flight, slots), status=status)
         rejected = client_fault(status, body)
-        if rejected is not None:  # the request's fault (too long for the model): not the miner's
+        if rejected is not None and may_not_fit:  # the request's fault (too long for the model): not the miner's
             raise ConnectFailed(FailureReason.CLIENT_REJECTED, rejected, status=status)
-        raise ConnectFailed(FailureReason.HTTP_STATUS, f"HTTP {status}", status=status)
+        detail = f"HTTP {status}" if rejected is None else f"HTTP {status} for a request that fits the model"
+        raise ConnectFailed(FailureReason.HTTP_STATUS, detail, status=status)
     ctype = resp.headers.get("Content-Type", "").partition(";")[0].strip().lower()
     if ctype != "text/event-stream":
         raise ConnectFailed(FailureReason.GARBAGE, f"content type {ctype!r}", status=200)

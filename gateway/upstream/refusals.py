@@ -1,7 +1,8 @@
 """What a miner's refusal means, and the error a failed dispatch raises.
 
 A 429 is the truth or a refusal the miner is booked for (:func:`refusal`); a 400 is the client's fault only when
-it names one of the runtime codes for that (:func:`client_fault`). Every other failure is the miner's.
+it names one of the runtime codes for that (:func:`client_fault`) *and* the gateway's own reading of the request
+says it may not fit the model (:func:`may_not_fit`). Every other failure is the miner's.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 from scoring.measurement import FailureReason, Measurement
 
 from ..protocol.errors import CLIENT_FAULT_CODES
+from ..protocol.openai import MODEL_CONTEXT
 from ..protocol.untrusted import loads as untrusted_json
 
 REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
+MAX_UNDERCOUNT = 4  # the prompt estimate's worst undercount against the model's tokenizer (digits 3.98x)
 
 
 def refusal(in_flight: int, slots: int) -> FailureReason:
@@ -47,6 +50,19 @@ def client_fault(status: int, body: bytes) -> str | None:
         return None
     message = err.get("message")
     return str(message)[:500] if isinstance(message, str) and message else str(err.get("code"))
+
+
+def may_not_fit(prompt_estimate: int, max_tokens: int, context: int = MODEL_CONTEXT) -> bool:
+    """Whether a request may be too long for the model, as the gateway reads it: the prompt at the estimate's worst
+    undercount (:data:`MAX_UNDERCOUNT`) plus the answer asked for, over ``context``.
+
+    A miner's "too long" is believed only then (issue 38): four 1-slot hotkeys on one card answered 400
+    ``context_length_exceeded`` whenever busy, the 400 was booked as the client's fault, and the group earned
+    1.15-1.33x an honest card while 11-15 % of users' requests got a 400. A request that fits is a refusal the miner
+    chose: blamed like any failed answer, and another miner is asked. The bound is generous on purpose: an honest
+    runtime's truthful "too long" is never blamed.
+    """
+    return prompt_estimate * MAX_UNDERCOUNT + max_tokens > context
 
 
 class UpstreamError(Exception):

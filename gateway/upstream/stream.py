@@ -30,7 +30,7 @@ from .config import UpstreamTimeouts
 from .connect import ConnectFailed, check_head, post_signed
 from .deadline import StreamDeadline
 from .record import measurement_of
-from .refusals import UpstreamError
+from .refusals import UpstreamError, may_not_fit
 
 if TYPE_CHECKING:
     from .dispatch import Upstream
@@ -149,7 +149,9 @@ class UpstreamStream:
                                          deadline_at=self._deadline.at(), connect_s=self._tmo.connect)
                 self._learn_slots(resp)
                 await check_head(resp, within_s=self._deadline.at() - self._loop.time(),
-                                 in_flight=self.lease.in_flight_at_dispatch, slots=self.lease.slots_at_dispatch)
+                                 in_flight=self.lease.in_flight_at_dispatch, slots=self.lease.slots_at_dispatch,
+                                 may_not_fit=may_not_fit(self.prompt_tokens, self.max_tokens,
+                                                         self._up.limits.model_context))
             except ConnectFailed as e:
                 raise self._fail(e.reason, status=e.status, detail=e.detail) from None
             self._up.learn_sampler(self.lease.miner, resp.headers.get(SAMPLER_HEADER))

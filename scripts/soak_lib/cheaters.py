@@ -27,6 +27,12 @@ Issue 23's cheats, each given a perfect oracle too (of the capacity check's stre
 * ``cycler``: honest to probes, junk to users (another prompt's answer, at the card's speed): it
   fails the audits of the users' answers it is sampled on and cycles through quarantine.
 
+Issue 38's:
+
+* ``too-long-when-busy``: whenever its card already has a stream, a 400 ``context_length_exceeded`` (the client's
+  fault, it says) instead of a 429: four 1-slot hotkeys on one card refused that way for free, at the capacity
+  check too, and routed as unmeasured.
+
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
 
@@ -54,7 +60,7 @@ from neurons.model.toy import MODEL as TOY
 from .load import CardRuntime
 
 CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer", "hold-check", "hold-check-429",
-          "slot-liar", "burst", "cycler")
+          "slot-liar", "burst", "cycler", "too-long-when-busy")
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
 HANG_S = 3600.0  # "until the client gives up": the validator's first-token deadline ends it long before
 
@@ -90,6 +96,11 @@ class CheatRuntime:
     def set_profile(self, profile: Any) -> None:
         self.card.set_profile(profile)
 
+    def _too_long(self) -> RuntimeFailure:
+        self.refused += 1
+        return RuntimeFailure("This model's maximum context length is 4096 tokens", status=400,
+                              type="invalid_request_error", code="context_length_exceeded")
+
     def _refuse(self, declared: int | None = None) -> RuntimeFailure:
         self.refused += 1
         return RuntimeFailure("busy", status=429, type="busy", code="busy",
@@ -107,6 +118,9 @@ class CheatRuntime:
         elif cheat == "slot-liar":
             if self.card.active > 0:
                 raise self._refuse(declared=1)
+        elif cheat == "too-long-when-busy":
+            if self.card.active > 0:
+                raise self._too_long()
         elif cheat in ("hold-check", "hold-check-429", "burst"):
             if cheat == "burst" or self.is_check(payload):
                 yield await self._held(payload)

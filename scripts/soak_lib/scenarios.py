@@ -55,6 +55,8 @@ CHEATERS: dict[str, bool] = {
     "slot-liar": False,  # four hotkeys on one card, 429 when busy declaring 1 slot (4 on answers)
     "half-burst": False,  # a half-speed card that holds every answer and sends it in one burst
     "cycler": True,  # honest to probes, junk to users: cycles through quarantine
+    # issue 38: a refusal dressed as the client's fault
+    "split-400": False,  # four 1-slot hotkeys on one card, 400 context_length_exceeded whenever the card is busy
 }
 HALF_SPEED = CardProfile(name="rtx5090-half", single_tok_s=220.0, aggregate_tok_s=150.0, chunks_per_token=2)
 HALF_IDS = CardProfile(name="rtx5090-half-ids", single_tok_s=220.0, aggregate_tok_s=150.0)  # honest, just slow
@@ -180,6 +182,8 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
                *(CardSpec(f"split-1slot/{i}", FAST, slots=1, cheat="refuse-when-card-busy", card="split-1slot")
                  for i in range(4)),
                *(CardSpec(f"slot-liar/{i}", FAST, cheat="slot-liar", card="slot-liar") for i in range(4)),
+               *(CardSpec(f"split-400/{i}", FAST, slots=1, cheat="too-long-when-busy", card="split-400")
+                 for i in range(4)),
                CardSpec("half-burst", HALF_IDS, cheat="burst"),
                CardSpec("half-honest", HALF_IDS),
                CardSpec("cycler", FAST, cheat="cycler")),

@@ -33,7 +33,7 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.protocol.openai import SUBNET_SAMPLER, TOOLS, requested_max_tokens
+from gateway.protocol.openai import MODEL_CONTEXT, SUBNET_SAMPLER, TOOLS, requested_max_tokens
 from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from gateway.protocol.tools import prompt_messages
@@ -49,7 +49,7 @@ _END = object()  # the worker's last item
 class LlamaRuntime:
     """``slots`` llama.cpp contexts over one model file, each decoding on its own thread."""
 
-    def __init__(self, path: Path, *, slots: int = 1, threads: int = 1, n_ctx: int = 2048,
+    def __init__(self, path: Path, *, slots: int = 1, threads: int = 1, n_ctx: int = MODEL_CONTEXT,
                  model: str = MODEL_ID, seed: int | None = None, generate: Generate | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
