@@ -28,8 +28,9 @@ if os.environ.get("TENSORGATE_SKIP_VLLM") == "1":
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "field"))
 
 from check import audit_engine, requests, tool_requests  # noqa: E402
-from engines import FIELD, VENV_PYTHON, Engine, served_all  # noqa: E402
+from engines import FIELD, VENV_PYTHON, Engine, served_all, vllm_env  # noqa: E402
 from rig import CHEAP_DIR, HONEST_DIR  # noqa: E402
+from spread import main as spread_main  # noqa: E402
 
 if not (VENV_PYTHON.exists() and (HONEST_DIR / "config.json").exists() and (CHEAP_DIR / "config.json").exists()):
     raise RuntimeError(f"the vLLM tests need the field rig in {FIELD}: run `bash scripts/field_vllm.sh prepare` "
@@ -55,17 +56,19 @@ def reference() -> LlamaEngine:
 
 
 def test_the_plugin_tests_pass_against_the_installed_vllms_own_classes() -> None:
-    """tests/test_vllm_plugin.py in the field venv, where vLLM 0.32 has both interfaces: the V1 and V2 processor
-    tests run there (in this venv they skip), and none may skip or fail (the one on the real model's logits needs
+    """tests/test_vllm_plugin.py and tests/test_vllm_reference.py in the field venv, where vLLM 0.32 has both
+    interfaces: the V1 and V2 processor tests and the vLLM reference's forcing processor run there (in this venv
+    they skip), and none may skip or fail (the one on the real model's logits needs
     llama.cpp, which the field venv lacks; it runs in this venv)."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([str(VENV_PYTHON), "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", "-rs",
-                           "-k", "not real_models_logits", "tests/test_vllm_plugin.py"], cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=300)
+                           "-k", "not real_models_logits", "tests/test_vllm_plugin.py", "tests/test_vllm_reference.py"],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "8 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+    assert "9 passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
 
 
 def test_vllm_renders_the_prompt_the_reference_forces_on(urls: dict[str, str], reference: LlamaEngine) -> None:
@@ -121,3 +124,26 @@ def test_a_requantized_model_served_by_vllm_is_caught(urls: dict[str, str], refe
     tally = asyncio.run(audit_engine("q2k", urls["q2k"], requests(ANSWERS, seed=37), reference, AuditBands()))
     assert not tally.errors, tally.errors
     assert tally.failed >= 5 and tally.alarmed_at is not None, tally
+
+
+def test_the_vllm_reference_passes_vllms_honest_answers_and_catches_a_requantized_model(
+        urls: dict[str, str], tmp_path: Path) -> None:
+    """The reference on the miners' own engine (neurons/reference/vllm.py, in the field venv): the honest engine's
+    answers, tool calls included, pass on it as on the llama.cpp reference; the Q2_K copy's fail on it."""
+    import json
+    import subprocess
+
+    honest, q2k, figures = tmp_path / "honest.json", tmp_path / "q2k.json", tmp_path / "figures.json"
+    assert spread_main(["collect", "--url", urls["honest"], "--answers", "3", "--tool-answers", "2",
+                        "--out", str(honest)]) == 0
+    assert spread_main(["collect", "--url", urls["q2k"], "--name", "q2k", "--answers", "3", "--tool-answers", "0",
+                        "--out", str(q2k)]) == 0
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([str(VENV_PYTHON), str(root / "scripts" / "field" / "spread.py"), "replay",
+                           "--answers-file", str(honest), "--answers-file", str(q2k), "--json", str(figures)],
+                          cwd=root, env=vllm_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    got = json.loads(figures.read_text())
+    assert got["honest"]["vllm"]["passed"] == got["honest"]["answers"] == 5, got
+    assert got["q2k"]["vllm"]["passed"] < got["q2k"]["answers"], got
+    assert got["references_apart"]["top1_agreement"] > 0.9, got

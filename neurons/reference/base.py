@@ -1,13 +1,17 @@
 """What an audit reference is to the auditor: one verdict per answer, or None when it cannot replay it.
 
-Three references implement it, one a file: :mod:`.llama` (the subnet's model on llama.cpp, in process),
-:mod:`.remote` (that same code run as a service elsewhere, ``--audit.url``), :mod:`.toy` (the simulated
-cards' toy model, for the default local subnet and the soak).
+Four references implement it, one a file: :mod:`.llama` (the subnet's model on llama.cpp, in process),
+:mod:`.vllm` (the subnet's model in vLLM, the miners' engine, from the field venv), :mod:`.remote` (either run as a
+service elsewhere, ``--audit.url``), :mod:`.toy` (the simulated cards' toy model, for the default local subnet and
+the soak). The first two replay on a :class:`ForcingEngine`, the one seam between the audit and a model runtime.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from scoring.audit import AuditBands, Verdict
 from scoring.measurement import Answer
@@ -23,3 +27,20 @@ class Reference(Protocol):
     async def audit(self, answer: Answer, bands: AuditBands) -> Verdict | None: ...
 
     async def aclose(self) -> None: ...
+
+
+class ForcingEngine(Protocol):
+    """What a replay needs of a model runtime (:func:`neurons.reference.llama.replay`): the prompt ids the subnet's
+    template gives, each token's bytes, the stop ids, the context, and teacher forcing: one row of raw logits per
+    completion token and one for what follows."""
+
+    n_ctx: int
+    vocab_size: int
+    stop_ids: frozenset[int]
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    def piece(self, token_id: int) -> bytes: ...
+
+    def forced_logits(self, prompt_ids: list[int], completion_ids: list[int] | tuple[int, ...]
+                      ) -> npt.NDArray[np.float32]: ...

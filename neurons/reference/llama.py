@@ -25,10 +25,12 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-from neurons.model.engine import EngineThread, LlamaEngine
+from neurons.model.engine import EngineThread
 from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
 from scoring.audit import AuditBands, ForcedScores, Verdict, check_ids, force, judge
 from scoring.measurement import Answer
+
+from .base import ForcingEngine
 
 
 class LlamaReference:
@@ -58,13 +60,14 @@ class LlamaReference:
         await self._worker.aclose()
 
 
-def replay(engine: LlamaEngine, answer: Answer, bands: AuditBands) -> Verdict | None:
-    """On the reference's thread: structure, then teacher forcing, then the verdict."""
+def replay(engine: ForcingEngine, answer: Answer, bands: AuditBands) -> Verdict | None:
+    """On the reference's thread: structure, then teacher forcing, then the verdict (any :class:`ForcingEngine`:
+    llama.cpp's here, vLLM's in :mod:`.vllm`)."""
     scored = replay_scored(engine, answer, bands)
     return None if scored is None else scored[0]
 
 
-def replay_scored(engine: LlamaEngine, answer: Answer, bands: AuditBands
+def replay_scored(engine: ForcingEngine, answer: Answer, bands: AuditBands
                   ) -> tuple[Verdict, ForcedScores | None] | None:
     """:func:`replay`'s verdict with the per-position scores it was judged on (None when the answer failed its
     structure before any forcing), for the calibration that measures honest gaps; None: too long to replay."""

