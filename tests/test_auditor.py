@@ -236,6 +236,9 @@ async def test_reference_service_refuses_to_listen_open_beyond_loopback_and_read
             await start_reference_service(ScriptedReference(), host=host, key=None)
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert await asyncio.to_thread(reference_main, ["--host", "0.0.0.0", "--port", "0"]) == 2  # exits, says why
+    # the vLLM reference where vLLM is not installed (the project's venv), or with no model folder: one line, exit 2
+    assert await asyncio.to_thread(reference_main, ["--engine", "vllm", "--model", "/nonexistent", "--port", "0"]) == 2
+    assert await asyncio.to_thread(reference_main, ["--engine", "vllm", "--port", "0"]) == 2
 
     runner, port = await start_reference_service(ScriptedReference(), key="k1")
     url = f"http://127.0.0.1:{port}{AUDIT_PATH}"

@@ -224,8 +224,12 @@ class VllmReference:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._engine = await loop.run_in_executor(
-            self._pool, lambda: VllmEngine(self.path, n_ctx=self._n_ctx, **self._kw))
+        try:
+            self._engine = await loop.run_in_executor(
+                self._pool, lambda: VllmEngine(self.path, n_ctx=self._n_ctx, **self._kw))
+        except BaseException:
+            self._pool.shutdown(wait=False)
+            raise
 
     async def audit(self, answer: Answer, bands: AuditBands) -> Verdict | None:
         if self._engine is None:
