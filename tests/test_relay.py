@@ -577,3 +577,39 @@ def test_each_of_n_answers_is_its_own_draw_of_a_seeded_request():
     seeds = [choice_payload(req, i)["seed"] for i in range(3)]
     assert seeds[0] == 42 and len(set(seeds)) == 3 and seeds == [choice_payload(req, i)["seed"] for i in range(3)]
     assert "seed" not in choice_payload(parse_chat_request(body(n=2), SchemaLimits(models=(MODEL,))), 1)
+
+
+def test_each_cancel_excuses_one_refusal_within_the_grace() -> None:
+    from gateway.upstream.refusals import CancelExcuses
+
+    ex = CancelExcuses(grace_s=2.0, per_miner=3)
+    assert not ex.excuse(1, 0.0)  # no cancel: a refusal
+    ex.cancelled(1, 10.0)
+    assert not ex.excuse(2, 10.5)  # another miner's cancel excuses nothing here
+    assert ex.excuse(1, 11.0) and not ex.excuse(1, 11.1)  # one cancel, one pardon
+    ex.cancelled(1, 20.0)
+    assert not ex.excuse(1, 22.5)  # past the grace
+    for t in range(5):
+        ex.cancelled(1, 30.0 + t * 0.01)
+    assert [ex.excuse(1, 30.5) for _ in range(5)] == [True, True, True, False, False]  # at most per_miner held
+
+
+async def test_a_429_while_the_miner_drains_a_stream_we_cancelled_is_not_a_refusal(make_miner, make_gateway):
+    """Issue 38: an honest single-slot miner whose client left answered the next request 429 while its runtime
+    drained the cancelled work, and was booked for a refusal. Within the grace after our cancel, one 429 is the
+    truth (busy); a second, or one after the grace, is still a refusal."""
+    m = await make_miner(Script("gated", tokens=4), slots=1)
+    h = await make_gateway([m], max_retries=0)
+    resp = await h.client.post(h.base_url + "/v1/chat/completions", json=body(max_tokens=4), headers=h.auth)
+    async for line in resp.content:
+        if b'"content":"m' in line:
+            break
+    resp.close()  # the client leaves mid-stream: the gateway cancels the miner's stream
+    assert await eventually(lambda: len(h.measurements()) == 1)
+    m.script = Script("refuse")  # its runtime still draining: 429 (declaring its slot free)
+    for _ in range(2):
+        async with h.chat(body()) as r:
+            assert r.status in (429, 502, 503)
+            await r.read()
+    failures = [x.failure for x in h.measurements()]
+    assert failures == [FailureReason.CLIENT_DISCONNECT, FailureReason.BUSY, FailureReason.REFUSED], failures

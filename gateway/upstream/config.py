@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..protocol.openai import DEFAULT_MAX_TOKENS, MODEL_CONTEXT
+from .refusals import DRAIN_GRACE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,3 +37,6 @@ class UpstreamLimits:
     # Tokens of prompt + answer every miner must serve (the subnet model's context): a miner's "too long" for a
     # request that fits is its refusal, not the client's fault (refusals.may_not_fit).
     model_context: int = MODEL_CONTEXT
+    # After this validator cancels a stream on a miner, a 429 within this many seconds is its runtime draining the
+    # cancelled work (one per cancel: refusals.CancelExcuses).
+    drain_grace_s: float = DRAIN_GRACE_S

@@ -23,7 +23,7 @@ from ..protocol.signing import RequestSigner
 from ..router import Lease, MinerState
 from .config import UpstreamLimits, UpstreamTimeouts
 from .connect import settle
-from .refusals import UpstreamError
+from .refusals import CancelExcuses, UpstreamError
 from .stream import UpstreamStream
 
 # What a miner that is down looks like from here (its other failures are answers: wrong, but answers).
@@ -73,6 +73,7 @@ class Upstream:
         self.on_slots: Callable[[MinerState, int], None] | None = None
         self.answers = AnswerBudget(self.limits.max_held_chars)
         self.seed_key = secrets.randbits(64)  # keys clients' own seeds (sampling.wire_seed); never leaves here
+        self.excuses = CancelExcuses(self.limits.drain_grace_s)  # 429s just after we cancelled are the miner draining
         self._draining: set[asyncio.Task[bytes]] = set()
 
     async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,

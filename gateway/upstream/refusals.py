@@ -7,6 +7,8 @@ says it may not fit the model (:func:`may_not_fit`). Every other failure is the 
 
 from __future__ import annotations
 
+from collections import deque
+
 from scoring.measurement import FailureReason, Measurement
 
 from ..protocol.errors import CLIENT_FAULT_CODES
@@ -14,6 +16,7 @@ from ..protocol.openai import MODEL_CONTEXT
 from ..protocol.untrusted import loads as untrusted_json
 
 REFUSAL_SLACK = 1  # free slots a miner may still show when it refuses: our release can race its own
+DRAIN_GRACE_S = 2.0  # after this validator cancels a stream on a miner, how long a 429 may be its runtime draining
 MAX_UNDERCOUNT = 4  # the prompt estimate's worst undercount against the model's tokenizer (digits 3.98x)
 
 
@@ -63,6 +66,40 @@ def may_not_fit(prompt_estimate: int, max_tokens: int, context: int = MODEL_CONT
     runtime's truthful "too long" is never blamed.
     """
     return prompt_estimate * MAX_UNDERCOUNT + max_tokens > context
+
+
+class CancelExcuses:
+    """A 429 that comes just after this validator cancelled a stream on the miner is its runtime still draining the
+    cancelled work, not a refusal (issue 38: an honest single-slot llama.cpp miner whose client left mid-prefill
+    answered the next request 429, was booked for a refusal, and under load ended at weight 0).
+
+    Bounded so it cannot be farmed: each cancel excuses one 429, within ``grace_s`` of it (the reference runtime
+    frees a cancelled prefill within one 64-token step, under a second on this CPU). Only cancels this validator
+    made count (a client that left mid-request), so a miner cannot make its own; a self-dealer's cancelled
+    request buys one refusal's pardon at most. Times come from the caller's clock: pure, testable.
+    """
+
+    def __init__(self, grace_s: float = DRAIN_GRACE_S, per_miner: int = 8) -> None:
+        self.grace_s = grace_s
+        self._per_miner = per_miner
+        self._cancels: dict[int, deque[float]] = {}
+
+    def cancelled(self, uid: int, now: float) -> None:
+        """This validator cancelled a stream on ``uid`` at ``now``."""
+        self._cancels.setdefault(uid, deque(maxlen=self._per_miner)).append(now)
+
+    def excuse(self, uid: int, now: float) -> bool:
+        """Whether a refusal from ``uid`` at ``now`` is pardoned (using up the excuse of one recent cancel)."""
+        times = self._cancels.get(uid)
+        if not times:
+            return False
+        while times and now - times[0] > self.grace_s:
+            times.popleft()
+        if not times:
+            del self._cancels[uid]
+            return False
+        times.popleft()
+        return True
 
 
 class UpstreamError(Exception):

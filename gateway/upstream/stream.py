@@ -121,6 +121,8 @@ class UpstreamStream:
                 self._up.drain_then_release(resp)
             else:
                 resp.close()  # frees the miner's slot now, not when the socket times out
+        if failure == FailureReason.CLIENT_DISCONNECT:
+            self._up.excuses.cancelled(self.uid, self._loop.time())
         if failure is not None and failure != FailureReason.CLIENT_DISCONNECT:
             self._error = UpstreamError(failure, m, status=status, after_content=self.meter.content_started,
                                         detail=detail)
@@ -153,6 +155,9 @@ class UpstreamStream:
                                  may_not_fit=may_not_fit(self.prompt_tokens, self.max_tokens,
                                                          self._up.limits.model_context))
             except ConnectFailed as e:
+                if e.reason == FailureReason.REFUSED and self._up.excuses.excuse(self.uid, self._loop.time()):
+                    raise self._fail(FailureReason.BUSY, status=e.status, detail="429 while draining a stream we "
+                                     "cancelled") from None
                 raise self._fail(e.reason, status=e.status, detail=e.detail) from None
             self._up.learn_sampler(self.lease.miner, resp.headers.get(SAMPLER_HEADER))
             self._resp = resp
