@@ -83,12 +83,19 @@ JOBS = _Jobs()
 def _processor_class() -> type:
     """The V1 logits processor, built on first use (vLLM is imported only where it is installed)."""
     import torch
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+    from neurons.miner.vllm_plugin.processor_v1 import follow_batch
 
     @dataclass(slots=True)
     class _Row:
         job: _Job
         output: list[int]  # vLLM's running list of the request's output tokens: its length is the position
+
+    def _adopt(params: Any, output: list[int]) -> _Row | None:
+        extra = getattr(params, "extra_args", None) or {}
+        job = JOBS.get(extra[FORCE_ARG]) if FORCE_ARG in extra else None
+        return None if job is None else _Row(job, output)
 
     class ForceAndCapture(LogitsProcessor):
         """Copies each forcing request's row, then leaves it only the miner's token at that position.
@@ -108,22 +115,7 @@ def _processor_class() -> type:
             return False
 
         def update_state(self, batch_update: BatchUpdate | None) -> None:
-            if batch_update is None:
-                return
-            for index in batch_update.removed:
-                self._rows.pop(index, None)
-            for index, params, _prompt, output in batch_update.added:
-                self._rows.pop(index, None)
-                extra = getattr(params, "extra_args", None) or {}
-                job = JOBS.get(extra[FORCE_ARG]) if FORCE_ARG in extra else None
-                if job is not None:
-                    self._rows[index] = _Row(job, output)
-            for a, b, direction in batch_update.moved:
-                ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
-                if ra is not None:
-                    self._rows[b] = ra
-                if direction == MoveDirectionality.SWAP and rb is not None:
-                    self._rows[a] = rb
+            follow_batch(self._rows, batch_update, _adopt)
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
             for index, row in self._rows.items():

@@ -15,6 +15,8 @@ Example::
 from __future__ import annotations
 
 import json
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 from gateway.protocol.openai import LOGPROBS, RESPONSE_FORMAT, TOOLS
@@ -110,3 +112,14 @@ class CallGate:
         """At the end: the pieces held, and the calls they make (None: send them as text)."""
         held, self.held = self.held, []
         return held, parse_tool_calls("".join(t for t, _ in held)) if self.decided else None
+
+    def close(self, out: ChunkFramer, framed: Callable[[list[tuple[str, list[int]]]], list[bytes]],
+              want_ids: bool) -> tuple[list[bytes], bool]:
+        """At the end: the frames for what was held, the calls as tool-call deltas (every token id kept when
+        ``want_ids``) or else the text through ``framed``, and whether the answer was a call (finish
+        ``tool_calls``). The one ending of a gated answer, for the llama.cpp runtime and the proxy alike."""
+        held, calls = self.finish()
+        if not calls:
+            return framed(held), False
+        ids = [i for _, piece_ids in held for i in piece_ids] if want_ids else None
+        return call_frames(out, calls, ids, "call_" + secrets.token_hex(6)), True

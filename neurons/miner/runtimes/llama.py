@@ -41,7 +41,7 @@ from neurons.model.engine import ContextOverflow, EngineThread, LlamaEngine
 from neurons.model.packaged import MODEL_ID, ModelUnavailable
 
 from .base import RuntimeFailure, RuntimeHealth
-from .features import CallGate, call_frames
+from .features import CallGate
 
 _END = object()  # the worker's last item
 
@@ -213,13 +213,9 @@ class LlamaRuntime:
                 tail += chunks(text_out.feed(tail_text, held) if tail_text or held else [])
                 tail += chunks(text_out.flush())
             if gate is not None:
-                held_pieces, calls = gate.finish()
-                if calls:
-                    ids = [i for _, piece_ids in held_pieces for i in piece_ids] if want_ids else None
-                    tail += call_frames(out, calls, ids, "call_" + secrets.token_hex(6))
-                    finish = "tool_calls"
-                else:
-                    tail += framed(held_pieces)
+                frames, called = gate.close(out, framed, want_ids)
+                tail += frames
+                finish = "tool_calls" if called else finish
             tail.append(frame(out.chunk({}, finish)))
             if include_usage:
                 tail.append(out.usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion,

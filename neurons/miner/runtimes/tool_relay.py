@@ -27,7 +27,7 @@ from gateway.protocol.sse import DONE_FRAME, ChunkFramer, SSEGarbage, SSEParser,
 from gateway.protocol.tools import prompt_messages, uses_tools
 
 from .base import RuntimeFailure
-from .features import CallGate, call_frames
+from .features import CallGate
 
 _TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 
@@ -88,14 +88,8 @@ async def relay_calls(upstream: AsyncIterable[bytes], payload: dict[str, Any]) -
                 finish = info.finish_reason
         if batch:
             yield b"".join(batch)
-    held, calls = gate.finish()
-    tail: list[bytes] = []
-    if calls:
-        ids = [i for _, piece_ids in held for i in piece_ids] if want_ids else None
-        tail += call_frames(out, calls, ids, "call_" + secrets.token_hex(6))
-        finish = "tool_calls"
-    else:
-        tail += framed(held)
+    tail, called = gate.close(out, framed, want_ids)
+    finish = "tool_calls" if called else finish
     tail.append(frame(out.chunk({}, finish or "stop")))
     if usage is not None:
         tail.append(out.usage(usage))

@@ -24,8 +24,9 @@ Speculative decoding is refused at load, as V2's processor does (vLLM refuses cu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -51,6 +52,41 @@ def _penalised(params: Any) -> bool:
             or float(getattr(params, "repetition_penalty", 1.0) or 1.0) != 1.0)
 
 
+_T = TypeVar("_T")
+
+
+def follow_batch(rows: dict[int, _T], batch_update: BatchUpdate | None, adopt: Callable[[Any, list[int]], _T | None]
+                 ) -> None:
+    """Apply one V1 ``BatchUpdate`` to ``rows`` (persistent-batch index -> a request's state), in vLLM's order:
+    removed, then added (``adopt(params, output)`` says whether a request is the processor's, and its state), then
+    moved (a swap, or one way). Shared by every V1 processor of the project (the sampler here, the vLLM reference's
+    forcing one)."""
+    if batch_update is None:
+        return
+    for index in batch_update.removed:
+        rows.pop(index, None)
+    for index, params, _prompt, output in batch_update.added:
+        rows.pop(index, None)  # an added request may take a removed one's index
+        state = adopt(params, output)
+        if state is not None:
+            rows[index] = state
+    for a, b, direction in batch_update.moved:
+        ra, rb = rows.pop(a, None), rows.pop(b, None)
+        if ra is not None:
+            rows[b] = ra
+        if direction == MoveDirectionality.SWAP and rb is not None:
+            rows[a] = rb
+
+
+def _adopt(params: Any, output: list[int]) -> _Row | None:
+    """The sampler's state for a request that asked for it (seeded, sampled, unpenalised), else None."""
+    seed = requested_seed(params)
+    temperature = float(params.temperature)
+    if seed is None or temperature < GREEDY_BELOW or _penalised(params):
+        return None
+    return _Row(seed, temperature, float(params.top_p), output)
+
+
 class SubnetSamplerV1(LogitsProcessor):
     """Keeps, in each row of a request that asked for it, only the subnet sampler's token (V1 interface)."""
 
@@ -67,23 +103,7 @@ class SubnetSamplerV1(LogitsProcessor):
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self._rows.pop(index, None)
-        for index, params, _prompt, output in batch_update.added:
-            self._rows.pop(index, None)  # an added request may take a removed one's index
-            seed = requested_seed(params)
-            temperature = float(params.temperature)
-            if seed is None or temperature < GREEDY_BELOW or _penalised(params):
-                continue
-            self._rows[index] = _Row(seed, temperature, float(params.top_p), output)
-        for a, b, direction in batch_update.moved:
-            ra, rb = self._rows.pop(a, None), self._rows.pop(b, None)
-            if ra is not None:
-                self._rows[b] = ra
-            if direction == MoveDirectionality.SWAP and rb is not None:
-                self._rows[a] = rb
+        follow_batch(self._rows, batch_update, _adopt)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self._rows:
