@@ -190,12 +190,12 @@ async def test_runtime_streams_token_ids_and_refuses_what_does_not_fit(engine: L
 def test_local_subnet_real_mode_quarantines_cheaters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """End to end: one honest real miner and two cheats behind the gateway, audited; weights read back.
 
-    What holds on a loaded machine is asserted always: the honest miner passes every audit, both cheats fail and
-    are quarantined, and no weight ever goes to a cheat. The honest miner's weight is asserted when the run set
-    weights: pay waits for the audit, and beside two CPU hogs the one-context honest miner answered "busy" to most
-    requests and the audit backlog reached 11 answers by round 3, so no round closed with verified work and no
-    weights were set (seen in CI and reproduced beside two hogs with five rounds too: ``{}``). On an idle machine
-    the three rounds set them."""
+    What holds on a loaded machine is asserted always: the honest miner fails no audit and is not quarantined, both
+    cheats fail and are quarantined, and no weight ever goes to a cheat. The honest miner's weight is asserted when
+    the run set weights: pay waits for the audit, and beside two CPU hogs the one-context honest miner answered
+    "busy" to most requests and the audit backlog reached 11 answers by round 3, so no round closed with verified
+    work and no weights were set (seen in CI and reproduced beside two hogs with five rounds too: ``{}``). On an
+    idle machine the three rounds set them."""
     from neurons.local_subnet import run_local_subnet
     from neurons.validator.config import ValidatorConfig
     from scoring.store import ScoreStore
@@ -209,15 +209,20 @@ def test_local_subnet_real_mode_quarantines_cheaters(tmp_path: Path, capsys: pyt
         strikes = store.load_strikes()
         audits = store.recent_audits(1000)
     by_uid: dict[int, list[bool]] = {}
+    cheats: set[str] = set()
     for a in audits:
         by_uid.setdefault(a.uid, []).append(a.passed)
-    assert by_uid.get(1) and all(by_uid[1]), by_uid  # the honest miner passed every audit
+        if a.uid in (2, 3):
+            cheats.add(a.hotkey)
+    # the honest miner failed no audit; it is not required to have one: beside two CPU hogs (CI) its one context
+    # answered "busy" to every request of rounds 1-3 and its first answers came in the round cut short by the stop
+    assert all(by_uid.get(1, [])), by_uid
     # random tokens fail every audit; a one-token "stop" is sometimes plausible (bench: caught 90 %), so over
     # ~7 audits it fails at least 60 % of them (P(miss) ~3 % at 90 %) and is quarantined either way (below)
     assert len(by_uid.get(2, [])) >= 3 and all(not p for p in by_uid[2]), by_uid
     assert len(by_uid.get(3, [])) >= 3 and by_uid[3].count(False) >= 0.6 * len(by_uid[3]), by_uid
     quarantined = {hk for hk, r in strikes.items() if isinstance(r, dict) and r.get("quarantined_at") is not None}
-    assert len(quarantined) == 2, strikes
+    assert quarantined == cheats and len(quarantined) == 2, strikes  # the two cheats, never the honest miner
     capsys.readouterr()
     assert weights_cmd.main(["--state-dir", str(tmp_path), "--netuid", "1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

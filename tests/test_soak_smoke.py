@@ -42,7 +42,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("soak")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "soak.py"), "--smoke", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"soak.py exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout, json.loads((out / "soak.json").read_text())
 
@@ -133,7 +133,7 @@ def test_the_adversarial_full_run_is_at_half_the_default_time_scale_unless_asked
     assert time_scale(full["adversarial"], smoke=False, requested=None) == 5.0
     assert {time_scale(sc, smoke=False, requested=None) for name, sc in full.items() if name != "adversarial"} == {10.0}
     assert {time_scale(sc, smoke=False, requested=20.0) for sc in full.values()} == {20.0}
-    assert time_scale(smoke["adversarial"], smoke=True, requested=20.0) == 10.0
+    assert time_scale(smoke["adversarial"], smoke=True, requested=20.0) == 5.0  # judged in CI: as the full run
     assert time_scale(smoke["seed"], smoke=True, requested=20.0) == 40.0
 
 
