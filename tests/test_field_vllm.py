@@ -99,7 +99,7 @@ def test_tool_requests_answered_by_vllm_pass_their_audit(urls: dict[str, str], r
     shipped template, the reference's prompt id for id) and turns the call the model wrote into tool-call deltas.
     Every answer, call or text, greedy or seeded, passes the audit token for token; the model does call the tool
     (on the old proxy vLLM rendered its own re-serialized tools and every answer failed)."""
-    bodies = tool_requests(6, seed=37, call_tokens=lambda text: len(reference.text_ids(text)))
+    bodies = tool_requests(6, seed=37, reference=reference)
     tally = asyncio.run(audit_engine("honest", urls["honest"], bodies, reference, AuditBands()))
     assert not tally.errors, tally.errors
     assert tally.answers == 6 and tally.failed == 0 and tally.alarmed_at is None, tally.failures

@@ -23,7 +23,6 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,11 +80,11 @@ def _call(city: str) -> dict[str, Any]:
         "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
 
 
-def tool_requests(n: int, seed: int, call_tokens: Callable[[str], int] | None = None) -> list[dict[str, Any]]:
+def tool_requests(n: int, seed: int, reference: LlamaEngine | None = None) -> list[dict[str, Any]]:
     """``n`` chat bodies offering one tool (``tool_choice`` auto, so audited) after one earlier call and its result
     (the 270M model imitates that call; asked cold it echoes the tool preamble): every other one greedy, the rest
-    seeded. ``call_tokens``: the tokens a text takes the model; a greedy request's ``max_tokens`` is then the length
-    of the call it should write (the model runs on past ``</tool_call>``, which would make the answer text)."""
+    seeded. With ``reference``, a greedy request's ``max_tokens`` is the length in tokens of the call it should write
+    (the model runs on past ``</tool_call>``, which would make the answer text)."""
     rng = random.Random(seed + 2)
     out = []
     for i in range(n):
@@ -97,8 +96,8 @@ def tool_requests(n: int, seed: int, call_tokens: Callable[[str], int] | None = 
                                 "messages": [*history, {"role": "user", "content": f"What is the weather in {city}?"}]}
         if i % 2 == 0:
             body["temperature"] = 0.0
-            if call_tokens is not None:
-                body["max_tokens"] = call_tokens(call_text("get_weather", json.dumps({"city": city})))
+            if reference is not None:
+                body["max_tokens"] = len(reference.text_ids(call_text("get_weather", json.dumps({"city": city}))))
         else:
             body["temperature"] = 0.7
             body["seed"] = rng.getrandbits(62)
@@ -135,6 +134,13 @@ class Tally:
         return self.failed > 0 or self.alarmed_at is not None
 
 
+def proxy(url: str, session: aiohttp.ClientSession, *, forward_seed: bool = True) -> ProxyRuntime:
+    """The reference miner's proxy in front of the engine at ``url``, as a vLLM miner runs it: the subnet sampler
+    declared (``forward_seed=False``: declared, but the seed not passed on) and tools in the subnet's format."""
+    return ProxyRuntime(url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER if forward_seed else None,
+                        features=frozenset({TOOLS}))
+
+
 async def answer(rt: ProxyRuntime, body: dict[str, Any]) -> tuple[Answer, float]:
     """What the validator keeps of the engine's answer (gateway.upstream's own rule), and its seconds."""
     meter = StreamMeter(max_tokens=body["max_tokens"], started_at=0.0, keep_answer=True)
@@ -155,8 +161,7 @@ async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], refere
     test = SequentialTest()
     evidence = 0.0
     async with aiohttp.ClientSession() as session:
-        rt = ProxyRuntime(url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER if forward_seed else None,
-                          features=frozenset({TOOLS}))
+        rt = proxy(url, session, forward_seed=forward_seed)
         for i, body in enumerate(bodies):
             try:
                 a, seconds = await answer(rt, body)
@@ -219,8 +224,7 @@ async def run(args: argparse.Namespace) -> int:
             return 2
         engines.append((name, url))
     reference = LlamaEngine(model_path(), n_ctx=4096, threads=1)
-    bodies = requests(args.answers, args.seed) + tool_requests(args.tool_answers, args.seed,
-                                                               lambda text: len(reference.text_ids(text)))
+    bodies = requests(args.answers, args.seed) + tool_requests(args.tool_answers, args.seed, reference)
     tallies = [await audit_engine(name, url, bodies, reference, AuditBands()) for name, url in engines]
     print(table(tallies))
     if args.json:

@@ -45,6 +45,29 @@ HONEST = "honest"
 REFERENCES = ("llama.cpp", "vllm")
 
 
+class KeepRows:
+    """A :class:`ForcingEngine` that keeps the rows of its last forcing, so the numbers compared after a replay come
+    from the very pass the replay judged (forcing through vLLM costs about what generating did: once is enough)."""
+
+    def __init__(self, engine: ForcingEngine) -> None:
+        self._engine = engine
+        self.n_ctx, self.vocab_size, self.stop_ids = engine.n_ctx, engine.vocab_size, engine.stop_ids
+        self._last: tuple[tuple[int, ...], tuple[int, ...], npt.NDArray[np.float32]] | None = None
+
+    def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self._engine.prompt_ids(messages)
+
+    def piece(self, token_id: int) -> bytes:
+        return self._engine.piece(token_id)
+
+    def forced_logits(self, prompt_ids: list[int], completion_ids: list[int] | tuple[int, ...]
+                      ) -> npt.NDArray[np.float32]:
+        key = (tuple(prompt_ids), tuple(completion_ids))
+        if self._last is None or self._last[:2] != key:
+            self._last = (*key, self._engine.forced_logits(prompt_ids, completion_ids))
+        return self._last[2]
+
+
 def chosen_logprobs(engine: ForcingEngine, answer: Answer) -> tuple[list[float], list[int]]:
     """Each answer token's raw log-probability on ``engine`` and the engine's own top token there."""
     ids = list(answer.token_ids or ())
@@ -62,9 +85,11 @@ def timed_replay(engine: ForcingEngine, answer: Answer, bands: AuditBands) -> tu
 
 
 def side(engine: ForcingEngine, answer: Answer, bands: AuditBands) -> dict[str, Any]:
-    """One reference's view of one answer: its verdict, replay time and per-position numbers."""
-    verdict, seconds = timed_replay(engine, answer, bands)
-    logp, top = chosen_logprobs(engine, answer)
+    """One reference's view of one answer: its verdict, replay time and per-position numbers (from the rows the
+    replay forced, unless it stopped before forcing)."""
+    kept = KeepRows(engine)
+    verdict, seconds = timed_replay(kept, answer, bands)
+    logp, top = chosen_logprobs(kept, answer)
     return {"passed": bool(verdict and verdict.passed), "failure": None if verdict is None else str(verdict.failure),
             "positions": 0 if verdict is None else verdict.positions, "misses": 0 if verdict is None else
             verdict.misses, "seconds": seconds, "logp": logp, "top": top}
@@ -72,20 +97,17 @@ def side(engine: ForcingEngine, answer: Answer, bands: AuditBands) -> dict[str, 
 
 async def collect(args: argparse.Namespace) -> int:
     import aiohttp
-    from check import answer, requests, tool_requests
+    from check import answer, proxy, requests, tool_requests
 
-    from gateway.protocol.openai import SUBNET_SAMPLER, TOOLS
-    from neurons.miner.runtimes.proxy import ProxyRuntime
     from neurons.model.engine import LlamaEngine
-    from neurons.model.packaged import MODEL_ID, model_path
+    from neurons.model.packaged import model_path
 
     reference = LlamaEngine(model_path(), n_ctx=4096, threads=1)
-    bodies = requests(args.answers, args.seed) + tool_requests(args.tool_answers, args.seed,
-                                                               lambda text: len(reference.text_ids(text)))
+    bodies = requests(args.answers, args.seed) + tool_requests(args.tool_answers, args.seed, reference)
     bands = AuditBands()
     rows = []
     async with aiohttp.ClientSession() as session:
-        rt = ProxyRuntime(args.url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER, features=frozenset({TOOLS}))
+        rt = proxy(args.url, session)
         for body in bodies:
             got, seconds = await answer(rt, body)
             rows.append({"engine": args.name, "answer": json.loads(encode_request(got, bands)), "generation_s": seconds,
