@@ -16,19 +16,27 @@ of the class sustains at that many streams. An honest card scores ~1, a miner wi
 one hotkey ~2, each of four hotkeys sharing one card ~0.25.
 
 Routing credit is multiplied by the hotkey's **median** ratio over the settlement window (issue 23: the
-best of the window let one lucky or gamed check stand for twelve rounds), read in whole cards: under
-:data:`SHARED_BELOW` it is taken as it is (a share of a card), above it is rounded to the nearest
-whole number of cards, at least 1. Measured rates are noisy (the local subnet on 2 cores measured
-honest cards between ~0.7 and ~1.3 when 16 streams start at once), and an honest card must route at
-exactly 1, not at the luck of its checks. A hotkey never measured routes at :data:`UNMEASURED`, half
-a card: a new hotkey, or one whose every check stream was a truthful 429, has shown nothing yet, and
-registering hotkeys faster than checks measure them must not be worth a card each.
+best of the window let one lucky or gamed check stand for twelve rounds), read by :func:`cards`: exactly 1
+between :data:`ONE_CARD` ``(0.75, 1.25)``, where an honest card's checks fall (measured rates are noisy: the
+local subnet on 2 cores measured honest cards between ~0.7 and ~1.3 when 16 streams start at once, and an
+honest card must route at exactly 1, not at the luck of its checks); as it is at or under 0.5 and from 2 cards
+on; linear between. It is continuous (issue 38: a threshold at 0.6 read a card carrying other validators'
+load at 0.57-0.59 as 0.57 and one reading 0.61 as a whole card, and a cheat that moved its reading over the
+threshold doubled its routing). The price of a continuous reading: a hotkey whose median lands in a ramp reads
+up to twice as steep as measured there (two hotkeys on one card each measured at 0.55 route at 0.6), the same
+noise an honest card's reading has.
+
+A check stream the miner refused (a 429 for "busy", a 400, any failure that is its own) delivered nothing and
+counts 0 (issue 38: four 1-slot hotkeys on one card refused their siblings' check streams, so each was read
+only from the check it won, as a whole card, or never and routed as unmeasured). A hotkey never measured
+routes at :data:`UNMEASURED`, half a card: registering hotkeys faster than checks measure them must not be
+worth a card each.
 
 Example::
 
     book = CapacityBook(window=12)
     book.push("hk", capacity_ratio([75.0, 74.0, 76.0, 75.0], concurrency=4.0, cfg=CreditConfig()))  # 1.0
-    book.multiplier("hk")        # 1.0; "never-checked" -> 0.5; a median of 0.27 -> 0.27; 1.8 -> 2.0
+    book.multiplier("hk")        # 1.0; "never-checked" -> 0.5; a median of 0.27 -> 0.27; 1.1 -> 1.0; 1.8 -> ~1.73
 """
 
 from __future__ import annotations
@@ -40,8 +48,12 @@ from collections.abc import Sequence
 
 from scoring.credit import CreditConfig, aggregate_rate
 
+DECODE_OVER_BAND = 5.0  # a check stream's decode lasts at least this many TTFT bands (see check_tokens)
+CHECK_TOKENS_FLOOR = 64  # ... and asks for at least this many tokens where the mix has answers that long
 MAX_RATIO = 16.0  # no single endpoint is credited with more than 16 cards, whatever it delivers
-SHARED_BELOW = 0.6  # a median ratio under this is a share of a card (two hotkeys on one card: 0.5 each)
+SHARE_UP_TO = 0.5  # a median ratio at or under this is a share of a card, taken as it is (two hotkeys on one: 0.5)
+ONE_CARD = (0.75, 1.25)  # a median ratio in this band is one card, exactly
+WHOLE_FROM = 2.0  # from here on a ratio is taken as it is (two cards behind one hotkey: 2)
 UNMEASURED = 0.5  # the routing multiplier of a hotkey no capacity check has measured yet
 
 
@@ -55,6 +67,38 @@ def capacity_ratio(rates: Sequence[float], concurrency: float, cfg: CreditConfig
     return min(MAX_RATIO, sum(good) / len(good) * n / aggregate_rate(n, cfg))
 
 
+def check_tokens(streams: int, cfg: CreditConfig, *, longest: int) -> int:
+    """The fewest tokens a capacity-check stream asks for when ``streams`` of them share a card.
+
+    A stream's rate is timed from the end of the TTFT band (:func:`scoring.credit.on_time_rate`), so a card whose
+    first token comes at once reads faster by up to ``decode / (decode - band)``: at 64 tokens over 3 streams, 3.6
+    cards for one (issue 38). Asking for a decode of :data:`DECODE_OVER_BAND` bands at an honest card's rate bounds
+    that at 5/4, which :func:`cards` reads as exactly one card, and costs about the same card time at any slot count
+    (an honest card's ``DECODE_OVER_BAND x band x aggregate`` tokens a check, 750 at the default profile). Bounded by
+    the mix's ``longest`` answer (a check is made of ordinary shapes); one stream needs none of it (capped at one
+    stream's rate, it never reads over one card)."""
+    floor = min(CHECK_TOKENS_FLOOR, longest)
+    if streams <= 1:
+        return floor
+    want = 1 + math.ceil(DECODE_OVER_BAND * cfg.full_band_s * aggregate_rate(streams, cfg) / streams)
+    return max(floor, min(want, longest))
+
+
+def cards(ratio: float) -> float:
+    """The routing multiplier of a median capacity ratio: continuous, non-decreasing, exactly 1 across
+    :data:`ONE_CARD`, the ratio itself at or under :data:`SHARE_UP_TO` and from :data:`WHOLE_FROM` on."""
+    if not math.isfinite(ratio) or ratio <= 0:
+        return 0.0
+    lo, hi = ONE_CARD
+    if ratio <= SHARE_UP_TO or ratio >= WHOLE_FROM:
+        return min(MAX_RATIO, ratio)
+    if ratio < lo:
+        return SHARE_UP_TO + (ratio - SHARE_UP_TO) * (1.0 - SHARE_UP_TO) / (lo - SHARE_UP_TO)
+    if ratio <= hi:
+        return 1.0
+    return 1.0 + (ratio - hi) * (WHOLE_FROM - 1.0) / (WHOLE_FROM - hi)
+
+
 class CapacityBook:
     """Each hotkey's capacity ratios over the last ``window`` checks; routing follows their median."""
 
@@ -66,13 +110,11 @@ class CapacityBook:
         self._ratios.setdefault(hotkey, deque(maxlen=self.window)).append(ratio)
 
     def multiplier(self, hotkey: str) -> float:
-        """The median recent ratio in whole cards (a share below :data:`SHARED_BELOW`); :data:`UNMEASURED`
-        when not checked yet."""
+        """The median recent ratio read by :func:`cards`; :data:`UNMEASURED` when not checked yet."""
         ratios = self._ratios.get(hotkey)
         if not ratios:
             return UNMEASURED
-        mid = statistics.median(ratios)
-        return mid if mid < SHARED_BELOW else float(max(1, round(mid)))
+        return cards(statistics.median(ratios))
 
     def forget(self, keep: set[str]) -> None:
         """Drop hotkeys no longer scored (deregistered, settled out)."""

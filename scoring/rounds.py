@@ -101,7 +101,15 @@ class MinerRound:
         return percentile(self.ttft_samples, 95)
 
 
-def _delivered_rate(m: Measurement, cfg: CreditConfig) -> float:
+# Check-stream outcomes that say nothing of the miner's capacity: the validator's own faults. Any other failure
+# delivered nothing and reads 0, a 429 "busy" and a 400 included: a check stream goes only into a slot this
+# validator counts free, and a card whose slots other traffic fills has no capacity for this validator's users
+# either (scoring.capacity).
+NOT_THE_MINERS_CHECK = frozenset({FailureReason.LOCAL_RESOURCES, FailureReason.SHUTDOWN,
+                                  FailureReason.CLIENT_DISCONNECT})
+
+
+def delivered_rate(m: Measurement, cfg: CreditConfig) -> float:
     """What one capacity-check stream delivered, tok/s, on the validator's clock (:func:`on_time_rate`):
     0 for a failure; tokens over the whole latency for an answer too short to time (so stopping after two
     tokens shows no capacity either); never more than one stream of an honest card can decode (the
@@ -160,8 +168,8 @@ class RoundAccumulator:
         row.work_s += work
         if m.audited or not self.audits:
             row.verified_work_s += work
-        if m.capacity_check and credit is not None:  # a truthful 429 (our streams over its slots) is not judged
-            row.capacity_rates.append(_delivered_rate(m, self.cfg))
+        if m.capacity_check and (m.ok or m.failure not in NOT_THE_MINERS_CHECK):  # a refused check stream counts 0
+            row.capacity_rates.append(delivered_rate(m, self.cfg))
             if m.ok:  # only streams that delivered are load: one left hanging is a 0 rate, not a card's work
                 row.capacity_load.append(m.decode_concurrency)
         if m.ok and m.ttft_s is not None and math.isfinite(m.ttft_s) and m.ttft_s >= 0:

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the adversarial scenario runs at twice its full run's time scale, its cheaters judged)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target FAILs")
     p.add_argument("--out", type=Path, default=Path("soak-out"), help="directory for the PNGs and soak.json")
+    p.add_argument("--cards", choices=("scenario", "apart", "in-process"), default="scenario",
+                   help="where the simulated cards run: in a process of their own (apart, the adversarial scenario's "
+                        "default) or on the gateway's event loop (in-process, the others' default)")
     p.add_argument("--log-level", default="WARNING", help="loguru level for the gateway, miners and scorer")
     return p
 
@@ -114,7 +117,8 @@ async def run_all(args: argparse.Namespace) -> int:
         if args.gateways > 1 and redis_url is None:
             redis_url = redis_server(stack)
         opts = RunOptions(scale=scale, seed=args.seed, window=window, util_ttft_s=args.util_ttft,
-                          util_cap_s=args.util_cap, gateways=args.gateways, redis_url=redis_url)
+                          util_cap_s=args.util_cap, gateways=args.gateways, redis_url=redis_url,
+                          cards_apart={"apart": True, "in-process": False}.get(args.cards), log_level=args.log_level)
         return await _run_all(args, opts, window)
 
 

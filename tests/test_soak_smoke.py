@@ -20,7 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
+from bittensor.sp_core import Keypair
 
 from gateway.router import Candidate
 from neurons.miner.runtimes.sim import PROFILES
@@ -31,9 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import soak  # noqa: E402
+from soak_lib.cards import CardsApart, miner_key  # noqa: E402
+from soak_lib.harness import RunOptions  # noqa: E402
 from soak_lib.load import CardRuntime  # noqa: E402
 from soak_lib.routers import DeterministicRouter, SmoothRouter  # noqa: E402
-from soak_lib.scenarios import build_scenarios, time_scale  # noqa: E402
+from soak_lib.scenarios import Event, build_scenarios, time_scale  # noqa: E402
 from soak_lib.timescale import scaled_credit_config, to_simulated  # noqa: E402
 
 
@@ -127,14 +131,45 @@ def test_time_scaling_before_credit_equals_scaled_bands() -> None:
 
 
 def test_the_adversarial_full_run_is_at_half_the_default_time_scale_unless_asked_otherwise() -> None:
-    """The adversarial cards share the gateway's loop, whose lag the scale multiplies: its full run is at 5, every
-    other scenario at 10; an explicit --time-scale wins in a full run, and the smoke keeps its own fixed scales."""
+    """The adversarial scenario runs its cards apart from the gateway, at 5, every other scenario in-process at 10;
+    an explicit --time-scale wins in a full run, and the smoke keeps its own fixed scales."""
     full, smoke = build_scenarios(window=12, smoke=False), build_scenarios(window=12, smoke=True)
+    assert full["adversarial"].cards_apart and smoke["adversarial"].cards_apart
+    assert not any(sc.cards_apart for name, sc in full.items() if name != "adversarial")
     assert time_scale(full["adversarial"], smoke=False, requested=None) == 5.0
     assert {time_scale(sc, smoke=False, requested=None) for name, sc in full.items() if name != "adversarial"} == {10.0}
     assert {time_scale(sc, smoke=False, requested=20.0) for sc in full.values()} == {20.0}
     assert time_scale(smoke["adversarial"], smoke=True, requested=20.0) == 5.0  # judged in CI: as the full run
     assert time_scale(smoke["seed"], smoke=True, requested=20.0) == 40.0
+
+
+async def test_cards_apart_serve_die_return_and_report() -> None:
+    """Issue 38's faithful soak: the cards in a process of their own answer on loopback, the scenario's events reach
+    them (a card dies and returns on the same port), and what only they know comes back at the end."""
+    sc = build_scenarios(smoke=True)["seed"]
+    opts = RunOptions(scale=40.0, seed=3)
+    validator = Keypair.create_from_uri("//tensorgate-soak-validator").ss58_address
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with CardsApart(sc, opts, validator) as cards, aiohttp.ClientSession(timeout=timeout) as http:
+        assert [m.label for m in cards.miners] == ["card-a", "card-b"] and len({m.port for m in cards.miners}) == 2
+        assert all(m.hotkey == miner_key(m.uid).ss58_address for m in cards.miners)
+
+        async def up(label: str) -> bool:
+            m = next(x for x in cards.miners if x.label == label)
+            try:
+                async with http.get(f"http://{m.endpoint}/health") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientConnectionError:
+                return False
+
+        assert await up("card-a") and await up("card-b")
+        await cards.apply(Event(0, "card-a", "die"))
+        assert not await up("card-a") and await up("card-b")
+        await cards.apply(Event(1, "card-a", "revive"))
+        assert await up("card-a")
+        reports = await cards.finish()
+    assert set(reports) == {"card-a", "card-b"}
+    assert all(r.runtime_ttfts == [] and r.refused_busy == 0 and r.background_streams == 0 for r in reports.values())
 
 
 @pytest.mark.parametrize("bad", ["0", "-5", "nan", "inf", "fast"])
@@ -224,7 +259,8 @@ def test_adversarial_miners_without_user_work_are_paid_nothing(smoke: tuple[str,
 # over the full runs at their time scale of 5), the honest card with invisible load 0.84x / 0.82x, later 0.75-0.76x
 # (0.92-1.06x over the full runs, 0.72-0.98x at the smoke's scale of 10: README), honest cards 1.07x apart and once
 # 1.17x in a CI run (1.03-1.08x over the full runs).
-STATISTICAL = ("cheater 'self-dealer'", "honest card with invisible load", "identical honest cards")
+STATISTICAL = ("cheater 'self-dealer'", "honest card with invisible load", "identical honest cards",
+               "honest card with a 50 ms first token")
 
 
 def test_adversarial_cheaters_out_earn_no_honest_card(smoke: tuple[str, dict]) -> None:

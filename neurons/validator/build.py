@@ -147,7 +147,8 @@ def build_parts(
         gateway.relay.full_wait_s = cfg.queue_s
         gateway.key_limits = shared.limits
         gateway.metrics.add(shared.families)
-    scorer = Scorer(credit or load_profile(cfg.credit_profile), window=cfg.settlement_rounds,
+    credit = credit or load_profile(cfg.credit_profile)
+    scorer = Scorer(credit, window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
     shapes = ShapeSample(rng=random.Random(seed_rng.random()))
     replays = ReplaySample(rng=random.Random(seed_rng.random())) if cfg.probes_replay else None
@@ -161,7 +162,8 @@ def build_parts(
     prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes,
                               replays=replays)
     probes = ProbeRunner(router, upstream.probe, prompts, tuple(cfg.models), random.Random(seed_rng.random()),
-                         capacity_check=cfg.capacity_check, hold=shared.leases.hold if shared is not None else None)
+                         capacity_check=cfg.capacity_check, hold=shared.leases.hold if shared is not None else None,
+                         credit=credit)
     auditor = None
     if reference is not None:  # sampled with the system RNG: a seeded run must not make audits predictable
         test = SequentialTest()

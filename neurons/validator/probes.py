@@ -10,7 +10,9 @@ free declared slots but one at the same instant (:mod:`scoring.capacity`): one c
 several hotkeys then carries all their streams at once and shows it; the slot left free keeps
 serving users. Its streams are ordinary probes, shaped like users' requests (issue 23: a check whose
 every stream asked for exactly 64 tokens was told apart and gamed), drawn again while they ask for
-fewer than :data:`CAPACITY_MIN_TOKENS` tokens so each one can be timed. Spreading it over several
+fewer than :func:`scoring.capacity.check_tokens` asks at that many streams, so each one is timed over a decode
+long next to the TTFT band (issue 38: at 64 tokens a card whose first token came at once read as 3.6 cards;
+at least 251 tokens over 3 streams, 109 over 7). Spreading it over several
 moments lets the median of the window (:class:`scoring.capacity.CapacityBook`) ignore one check that
 happened to meet someone else's burst. It costs the validator the sum of all miners' slots in
 streams, that often a round; ``capacity_check=False`` turns it off.
@@ -31,6 +33,8 @@ from typing import Any, Protocol
 from loguru import logger
 
 from gateway.router import Lease, MinerState, Router
+from scoring.capacity import check_tokens
+from scoring.credit import CreditConfig
 
 from .prompts import PromptGenerator
 
@@ -44,7 +48,6 @@ def plan_round(uids: Iterable[int], per_miner: int, round_s: float, rng: random.
 
 
 CAPACITY_CHECKS = 2  # capacity checks a round, each at its own random moment
-CAPACITY_MIN_TOKENS = 64  # a check stream asks for at least this many tokens: long enough to time under load
 _REDRAWS = 8  # drawing a long-enough shape this many times at most, then asking for the minimum
 
 
@@ -59,8 +62,9 @@ class ProbeRunner:
 
     def __init__(self, router: Router, probe: ProbeFn, prompts: PromptGenerator, models: str | tuple[str, ...],
                  rng: random.Random | None = None, *, capacity_check: bool = True,
-                 hold: Callable[[Lease], Awaitable[bool]] | None = None) -> None:
+                 hold: Callable[[Lease], Awaitable[bool]] | None = None, credit: CreditConfig | None = None) -> None:
         self._router = router
+        self._credit = credit if credit is not None else CreditConfig()  # the bar the check's streams are timed by
         self._probe = probe
         # Gateways sharing Redis: a probe takes its place among the miner's declared slots subnet-wide like any
         # request (gateway.shared.leases), and is skipped when the other processes' requests fill them: a forced
@@ -106,8 +110,10 @@ class ProbeRunner:
         sent = 0
         for m in self._router.miners():
             busy = m.in_flight + m.elsewhere  # every gateway process's streams
-            for _ in range(max(1 if busy == 0 else 0, m.slots - busy - 1)):
-                payload = self._check_payload(self._model_for(m))  # before the lease: nothing can leak it
+            streams = max(1 if busy == 0 else 0, m.slots - busy - 1)
+            least = check_tokens(busy + streams, self._credit, longest=max(self._prompts.mix.max_tokens))
+            for _ in range(streams):
+                payload = self._check_payload(self._model_for(m), least)  # before the lease: nothing can leak it
                 lease = self._router.acquire_uid(m.uid)
                 if lease is None:
                     continue
@@ -121,14 +127,14 @@ class ProbeRunner:
         """The model a miner is probed on: the first the validator serves that the miner declared."""
         return next((x for x in self._models if self._router.serves(m, x)), self._models[0])
 
-    def _check_payload(self, model: str) -> dict[str, Any]:
-        """An ordinary probe that asks for at least :data:`CAPACITY_MIN_TOKENS` tokens."""
+    def _check_payload(self, model: str, least: int) -> dict[str, Any]:
+        """An ordinary probe that asks for at least ``least`` tokens."""
         for _ in range(_REDRAWS):
             payload = self._prompts.payload(model)
             asked = payload.get("max_tokens")
-            if isinstance(asked, int) and asked >= CAPACITY_MIN_TOKENS:
+            if isinstance(asked, int) and asked >= least:
                 return payload
-        payload["max_tokens"] = CAPACITY_MIN_TOKENS
+        payload["max_tokens"] = least
         return payload
 
     def _spawn(self, coro: Any, name: str) -> None:

@@ -61,6 +61,8 @@ from .load import CardRuntime
 
 CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer", "hold-check", "hold-check-429",
           "slot-liar", "burst", "cycler", "too-long-when-busy")
+PROBE_MARK = "\u2063"  # an invisible separator before a probe's prompt: the oracle (ProbeOracle)
+CHECK_MARK = PROBE_MARK * 2  # ... two before a capacity-check stream's
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
 HANG_S = 3600.0  # "until the client gives up": the validator's first-token deadline ends it long before
 
@@ -161,23 +163,22 @@ def _instant_answer(payload: dict[str, Any]) -> bytes:
 
 
 class ProbeOracle:
-    """Remembers the validator's probe prompts (and which were capacity-check streams), so a cheater can be
-    told them apart perfectly."""
+    """A perfect oracle of the validator's probes (and of which are capacity-check streams), with no channel between
+    the validator and the cards (they may run in another process: :mod:`soak_lib.cards`): the probe runner marks the
+    prompts it makes with an invisible character, and a cheater reads the mark in the request it receives."""
 
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-        self._checks: set[str] = set()
-
-    def remember(self, payload: dict[str, Any], *, check: bool = False) -> None:
-        self._seen.add(_key(payload))
-        if check:
-            self._checks.add(_key(payload))
+    @staticmethod
+    def remember(payload: dict[str, Any], *, check: bool = False) -> None:
+        messages = payload.get("messages")
+        if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+            last = messages[-1]
+            last["content"] = (CHECK_MARK if check else PROBE_MARK) + str(last.get("content", ""))
 
     def __call__(self, payload: dict[str, Any]) -> bool:
-        return _key(payload) in self._seen
+        return _key(payload).startswith(PROBE_MARK)  # a check's mark starts with the probe's
 
     def is_check(self, payload: dict[str, Any]) -> bool:
-        return _key(payload) in self._checks
+        return _key(payload).startswith(CHECK_MARK)
 
 
 def _key(payload: dict[str, Any]) -> str:

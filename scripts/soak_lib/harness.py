@@ -1,7 +1,8 @@
 """Runs one scenario under one router: real gateway, router, reference miners, probes and scorer.
 
-Everything lives on one event loop on loopback ephemeral ports: the simulated cards behind
-:func:`neurons.miner.server.start_miner`; the validator's serving path as
+Everything talks over loopback ephemeral ports: the simulated cards behind
+:func:`neurons.miner.server.start_miner` (:mod:`soak_lib.cards`: on this event loop, or apart in a process of their
+own where the scenario says so, so the gateway's lag is not the cards'); the validator's serving path as
 :func:`neurons.validator.build.build_parts` wires it, with the router under test; its scorer fed
 through :class:`soak_lib.timescale.TimeScaledSink`; probes from :class:`neurons.validator.probes.ProbeRunner`,
 and organic clients posting to the gateway over HTTP. Each round: events (degrade, die, revive),
@@ -25,14 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from bittensor.sp_core import Keypair
 from loguru import logger
 
 from gateway.router import Candidate, Router
 from gateway.upstream import UpstreamTimeouts
-from neurons.miner.server import MINER_KEY, start_miner
-from neurons.miner.trust import AllowList
 from neurons.reference.toy import ToyReference
 from neurons.validator.build import build_parts
 from neurons.validator.config import ValidatorConfig
@@ -42,8 +40,8 @@ from scoring.measurement import Measurement, MeasurementQueue
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
 
-from .cheaters import SELF_MARK, CheatRuntime, ProbeOracle
-from .load import CardRuntime, MultiCardRuntime
+from .cards import Cards, CardsApart, MinerInfo
+from .cheaters import SELF_MARK, ProbeOracle
 from .routers import learn_slots, make_router
 from .scenarios import Scenario
 from .timescale import TimeScaledSink, scaled_timeouts
@@ -65,6 +63,8 @@ class RunOptions:
     # in Redis, the client's requests spread over them in turn. 1: the single process, no Redis.
     gateways: int = 1
     redis_url: str | None = None
+    cards_apart: bool | None = None  # the cards in a process of their own; None: as the scenario says
+    log_level: str = "WARNING"  # the cards' process logs at this level
 
 
 @dataclass
@@ -81,6 +81,7 @@ class MinerSeries:
     credit: list[float | None] = field(default_factory=list)  # round score; None: no request
     settled: list[float] = field(default_factory=list)
     weight: list[float] = field(default_factory=list)
+    cards: list[float] = field(default_factory=list)  # routing multiplier from the capacity checks (scoring.capacity)
     alive: list[bool] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)  # simulated s, successful requests (organic + probes)
     runtime_ttfts: list[float] = field(default_factory=list)  # simulated s, measured inside the card
@@ -100,6 +101,7 @@ class RunResult:
     client: Counter[str] = field(default_factory=Counter)
     overlap_violations: int = 0  # sequential traffic: dispatches with something already in flight
     sequential: bool = False
+    cards_apart: bool = False
     slots_seen: dict[str, int] = field(default_factory=dict)
 
 
@@ -129,65 +131,10 @@ class _Probes(ProbeRunner):
         super().__init__(*args, **kwargs)
         self._oracle = oracle
 
-    def _check_payload(self, model: str) -> dict[str, Any]:
-        payload = super()._check_payload(model)
+    def _check_payload(self, model: str, least: int) -> dict[str, Any]:
+        payload = super()._check_payload(model, least)
         self._oracle.remember(payload, check=True)
         return payload
-
-
-Runtime = CardRuntime | MultiCardRuntime | CheatRuntime
-
-
-class _Miner:
-    def __init__(self, label: str, uid: int, key: Keypair, runtime: Runtime, slots: int) -> None:
-        self.label, self.uid, self.key, self.runtime, self.slots = label, uid, key, runtime, slots
-        self.runner: web.AppRunner | None = None
-        self.port = 0
-        self.refused_busy = 0
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def start(self, trust: AllowList) -> None:
-        self.runner, self.port = await start_miner(self.key, self.runtime, slots=self.slots, trust=trust,
-                                                   host="127.0.0.1", port=self.port)
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            runner, self.runner = self.runner, None
-            # 429s its server sent because this validator filled its declared slots, over each life of it
-            self.refused_busy += int(runner.app[MINER_KEY].refused_busy)
-            await runner.cleanup()
-
-
-def _runtime_for(spec: Any, opts: RunOptions, rng: random.Random, util: bool) -> CardRuntime | MultiCardRuntime:
-    def card() -> CardRuntime:
-        return CardRuntime(spec.profile, scale=opts.scale, rng=random.Random(rng.random()),
-                           util_ttft_s=opts.util_ttft_s if util else 0.0, util_cap_s=opts.util_cap_s,
-                           util_tau_s=opts.util_tau_s)
-    if spec.cards > 1:
-        return MultiCardRuntime([card() for _ in range(spec.cards)])
-    return card()
-
-
-def _runtimes(sc: Scenario, opts: RunOptions, rng: random.Random, oracle: ProbeOracle) -> list[Runtime]:
-    """One runtime per miner: its own card, a card shared with the other hotkeys naming it, a cheat on top."""
-    shared: dict[str, CardRuntime | MultiCardRuntime] = {}
-    out: list[Runtime] = []
-    for spec in sc.cards:
-        if spec.card:
-            if spec.card not in shared:
-                shared[spec.card] = _runtime_for(spec, opts, rng, sc.util_ttft)
-            base = shared[spec.card]
-        else:
-            base = _runtime_for(spec, opts, rng, sc.util_ttft)
-        if spec.cheat:
-            assert isinstance(base, CardRuntime), "cheats run on one card"
-            out.append(CheatRuntime(base, spec.cheat, slots=spec.slots, is_probe=oracle, is_check=oracle.is_check))
-        else:
-            out.append(base)
-    return out
 
 
 async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunResult:
@@ -197,37 +144,31 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
     router_rng = random.Random(f"{opts.seed}:{sc.name}:{router_kind}")
     scale = opts.scale
     vkey = Keypair.create_from_uri("//tensorgate-soak-validator")
-    trust = AllowList({vkey.ss58_address})
     oracle = ProbeOracle()
-    miners = [_Miner(spec.label, uid, Keypair.create_from_uri(f"//tensorgate-soak-miner-{uid}"), runtime, spec.slots)
-              for uid, (spec, runtime) in enumerate(zip(sc.cards, _runtimes(sc, opts, rng, oracle), strict=True),
-                                                    start=1)]
-    by_label = {m.label: m for m in miners}
-    by_uid = {m.uid: m for m in miners}
-    hk2uid = {m.key.ss58_address: m.uid for m in miners}
-    result = RunResult(sc.name, router_kind, scale, sc.rounds,
-                       {m.label: MinerSeries(m.label, m.uid, m.key.ss58_address) for m in miners},
-                       sequential=sc.traffic.kind == "sequential")
+    apart = opts.cards_apart if opts.cards_apart is not None else sc.cards_apart
+    host: Cards | CardsApart = (CardsApart(sc, opts, vkey.ss58_address, log_level=opts.log_level) if apart
+                                else Cards(sc, opts, vkey.ss58_address))
     current: list[Measurement] = []
-
-    def tap(m: Measurement) -> None:
-        current.append(m)
-        s = result.series[by_uid[m.uid].label]
-        if m.ok and m.ttft_s is not None:
-            s.ttfts.append(m.ttft_s)
-        if not m.probe:
-            s.max_in_flight_at_dispatch = max(s.max_in_flight_at_dispatch, m.in_flight)
-
     router: Router = make_router(router_kind, router_rng)
     tasks: set[asyncio.Task[Any]] = set()
     async with contextlib.AsyncExitStack() as stack:
-        for m in miners:
-            await m.start(trust)
-            stack.push_async_callback(m.stop)
-        for spec, m in zip(sc.cards, miners, strict=True):
-            if spec.background_rps > 0 and isinstance(m.runtime, CardRuntime):
-                bg = asyncio.create_task(m.runtime.background(spec.background_rps, random.Random(rng.random())))
-                stack.push_async_callback(_cancelled, bg)
+        await stack.enter_async_context(host)
+        cards = host
+        miners = cards.miners
+        by_uid = {m.uid: m for m in miners}
+        hk2uid = {m.hotkey: m.uid for m in miners}
+        result = RunResult(sc.name, router_kind, scale, sc.rounds,
+                           {m.label: MinerSeries(m.label, m.uid, m.hotkey) for m in miners},
+                           sequential=sc.traffic.kind == "sequential", cards_apart=apart)
+
+        def tap(m: Measurement) -> None:
+            current.append(m)
+            s = result.series[by_uid[m.uid].label]
+            if m.ok and m.ttft_s is not None:
+                s.ttfts.append(m.ttft_s)
+            if not m.probe:
+                s.max_in_flight_at_dispatch = max(s.max_in_flight_at_dispatch, m.in_flight)
+
         session = await stack.enter_async_context(aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)))
         client = await stack.enter_async_context(aiohttp.ClientSession(
@@ -237,7 +178,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
             for m in miners:
                 slots[m.uid] = await learn_slots(session, m.endpoint)
         result.slots_seen = {m.label: slots[m.uid] for m in miners}
-        router.sync([Candidate(uid=m.uid, hotkey=m.key.ss58_address, endpoint=m.endpoint, slots=slots[m.uid])
+        router.sync([Candidate(uid=m.uid, hotkey=m.hotkey, endpoint=m.endpoint, slots=slots[m.uid])
                      for m in miners])
         # The validator's own wiring; measurements are drained into the scorer at each round's close,
         # rescaled to simulated seconds on the way (the validator drains its queue the same way).
@@ -250,7 +191,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         others = []  # the other gateways: their own router and upstream, the same Redis, no scorer
         for i in range(1, opts.gateways):
             other_router = make_router(router_kind, random.Random(f"{opts.seed}:{sc.name}:{router_kind}:{i}"))
-            other_router.sync([Candidate(uid=m.uid, hotkey=m.key.ss58_address, endpoint=m.endpoint,
+            other_router.sync([Candidate(uid=m.uid, hotkey=m.hotkey, endpoint=m.endpoint,
                                          slots=slots[m.uid]) for m in miners])
             others.append(build_parts(cfg, vkey, api_keys=[API_KEY], router=other_router, sink=queue,
                                       timeouts=scaled_timeouts(UpstreamTimeouts(), scale), env={},
@@ -374,15 +315,9 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                 for ev in sc.events:
                     if ev.round != r:
                         continue
-                    m = by_label[ev.label]
-                    if ev.action == "die":
-                        await m.stop()
-                        alive[m.label] = False
-                    elif ev.action == "revive":
-                        await m.start(trust)
-                        alive[m.label] = True
-                    elif ev.action == "degrade" and ev.profile is not None:
-                        m.runtime.set_profile(ev.profile)
+                    await cards.apply(ev)
+                    if ev.action in ("die", "revive"):
+                        alive[ev.label] = ev.action == "revive"
                     logger.info("{} round {}: {} {}", sc.name, r, ev.label, ev.action)
                 round_real = sc.round_s / scale
                 if sc.traffic.kind == "sequential":
@@ -416,11 +351,10 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
             for t in list(tasks):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-    for m in miners:
-        result.series[m.label].runtime_ttfts = list(m.runtime.runtime_ttfts)
-        result.series[m.label].refused_busy += m.refused_busy
-        if isinstance(m.runtime, CardRuntime):
-            result.series[m.label].background_streams = m.runtime.background_streams
+        for label, report in (await cards.finish()).items():
+            result.series[label].runtime_ttfts = report.runtime_ttfts
+            result.series[label].refused_busy += report.refused_busy
+            result.series[label].background_streams = report.background_streams
     result.wall_s = time.monotonic() - t_start
     return result
 
@@ -430,7 +364,7 @@ async def _cancelled(task: asyncio.Task[Any]) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[_Miner], alive: dict[str, bool],
+def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[MinerInfo], alive: dict[str, bool],
            batch: list[Measurement], hk2uid: dict[str, int], quarantined: set[str] | None = None) -> None:
     report = scorer.close_round(quarantined=quarantined or frozenset())
     router.set_scores(scorer.routing_scores())
@@ -445,10 +379,11 @@ def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[_Mine
         s.served.append(served)
         s.share.append(served / served_total if served_total else 0.0)
         s.probes.append(sum(1 for x in mine if x.probe))
-        row = rows.get(m.key.ss58_address)
+        row = rows.get(m.hotkey)
         s.credit.append(row.credit if row is not None and row.requests else None)
         s.settled.append(row.settled if row is not None else 0.0)
         s.weight.append(weights.get(m.uid, 0.0))
+        s.cards.append(row.capacity if row is not None else 0.0)
         s.alive.append(alive[m.label])
 
 

@@ -29,6 +29,7 @@ NO_WORK_BOUND = 0.1  # a cheater with no real work to show (probes only, two-tok
 BACKGROUND_CREDIT_TOLERANCE = 0.05  # settled credit of a card carrying other validators' load vs unloaded
 BACKGROUND_WEIGHT_FLOOR = 0.85  # ... and its weight over an unloaded honest card's
 HONEST_WEIGHT_SPREAD = 1.15  # identical honest cards: the highest weight over the lowest
+FAST_FIRST_SPREAD = 1.15  # an honest card with a quicker first token, same work: within this of the honest cards
 SAME_CARD_BOUND = 1.05  # a cheat on a card over the same card serving honestly
 CAPACITY_WEIGHT_BAND = (1.6, 2.4)  # twice the cards and slots: about twice the weight
 DOMINANT_MARGIN = 0.15  # a round's top-share miner counts as dominant above 1/n + this
@@ -191,6 +192,14 @@ def _adversarial_targets(sc: Scenario, S: dict[str, MinerSeries]) -> list[Target
     spread = max(hw) / min(hw) if min(hw) > 0 else math.inf
     out.append(Target(f"identical honest cards within {HONEST_WEIGHT_SPREAD}x of each other's weight",
                       spread <= HONEST_WEIGHT_SPREAD, f"weights {', '.join(f'{x:.4f}' for x in hw)}: {spread:.2f}x"))
+    if sc.fast_first is not None:
+        w = S[sc.fast_first].weight[-1]
+        ratio = w / honest_w if honest_w > 0 else math.inf
+        ok = 1 / FAST_FIRST_SPREAD <= ratio <= FAST_FIRST_SPREAD
+        out.append(Target(f"honest card with a 50 ms first token {sc.fast_first!r} within {FAST_FIRST_SPREAD}x of "
+                          f"the honest cards' weight (same work: a quicker first token is not more cards)", ok,
+                          f"weight {w:.4f} vs honest {honest_w:.4f}: {ratio:.2f}x; settled credit "
+                          f"{S[sc.fast_first].settled[-1]:.3f}"))
     if sc.background is not None:
         b = S[sc.background]
         diff = abs(b.settled[-1] - honest_c)
@@ -228,17 +237,23 @@ def miner_rows(sc: Scenario, res: RunResult) -> list[dict[str, Any]]:
             "probes": sum(s.probes), "ttft_p50_s": percentile(s.ttfts, 50), "ttft_p95_s": percentile(s.ttfts, 95),
             "mean_round_credit": sum(credits) / len(credits) if credits else None,
             "round_credits": s.credit, "settled": s.settled[-1], "weight": s.weight[-1],
+            "cards": s.cards[-1] if s.cards else None,
             "overhead_s": over, "max_in_flight_at_dispatch": s.max_in_flight_at_dispatch,
             "refused_busy": s.refused_busy,
         })
     return rows
 
 
+def _cards(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def format_table(sc: Scenario, res: RunResult, summ: Summary) -> str:
     head = (f"{'miner':<12} {'uid':>3} {'served':>6} {'share':>6} {'expect':>6} {'probes':>6} {'p50ms':>6} "
-            f"{'p95ms':>6} {'credit':>6} {'settled':>7} {'weight':>6} {'ovh_ms':>6}  round credits")
+            f"{'p95ms':>6} {'credit':>6} {'settled':>7} {'weight':>6} {'cards':>5} {'ovh_ms':>6}  round credits")
     lines = [f"== {sc.name} / router={res.router}: {res.rounds} rounds of {sc.round_s:.0f} s (simulated), "
-             f"time scale {res.scale:g}, wall {res.wall_s:.0f} s; client {dict(res.client)}", head]
+             f"time scale {res.scale:g}, cards {'apart' if res.cards_apart else 'in-process'}, "
+             f"wall {res.wall_s:.0f} s; client {dict(res.client)}", head]
     for row in miner_rows(sc, res):
         rc = " ".join("  -  " if c is None else f"{c:.2f}" for c in row["round_credits"])
         mc = row["mean_round_credit"]
@@ -246,7 +261,8 @@ def format_table(sc: Scenario, res: RunResult, summ: Summary) -> str:
             f"{row['miner']:<12} {row['uid']:>3} {row['served']:>6} {row['share']:6.3f} "
             f"{summ.expected_shares[row['miner']]:6.3f} {row['probes']:>6} {_ms(row['ttft_p50_s']):>6} "
             f"{_ms(row['ttft_p95_s']):>6} {'-' if mc is None else f'{mc:.3f}':>6} {row['settled']:7.3f} "
-            f"{row['weight']:6.3f} {_ms(row['overhead_s']):>6}  {rc}")
+            f"{row['weight']:6.3f} {_cards(row['cards']):>5} "
+            f"{_ms(row['overhead_s']):>6}  {rc}")
     md = "-" if summ.max_round_credit_diff is None else f"{summ.max_round_credit_diff:.3f}"
     fd = "-" if summ.final_settled_diff is None else f"{summ.final_settled_diff:.3f}"
     starved = ", ".join(f"{k}: {v} rounds" for k, v in summ.starved.items()) or "none"
@@ -268,11 +284,12 @@ def target_lines(sc: Scenario, summaries: dict[str, Summary]) -> list[str]:
 def to_json(sc: Scenario, res: RunResult, summ: Summary) -> dict[str, Any]:
     return {
         "scenario": sc.name, "router": res.router, "rounds": res.rounds, "round_s": sc.round_s,
-        "time_scale": res.scale, "wall_s": res.wall_s, "client": dict(res.client),
+        "time_scale": res.scale, "cards_apart": res.cards_apart, "wall_s": res.wall_s, "client": dict(res.client),
         "overlap_violations": res.overlap_violations, "slots_seen": res.slots_seen,
         "miners": miner_rows(sc, res),
         "per_round": {k: {"share": s.share, "credit": s.credit, "settled": s.settled, "weight": s.weight,
                           "served": s.served, "dispatched": s.dispatched, "alive": s.alive, "probes": s.probes,
+                          "cards": s.cards,
                           "background_streams": s.background_streams}
                       for k, s in res.series.items()},
         "summary": {"shares": summ.shares, "expected_shares": summ.expected_shares,
