@@ -17,6 +17,21 @@ import pytest
 DEPLOY = Path(__file__).resolve().parent.parent / "scripts" / "deploy"
 
 
+def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else() -> None:
+    """Issue 40: a Docker build sent a 1.7 GB context (.venv, .field, .git). ``.dockerignore`` lets through exactly the
+    paths the Dockerfile copies from the context, so a new COPY without its line here fails this test."""
+    copied = set()
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            copied.update(w.rstrip("/") for w in words[1:-1])
+    rules = [x.strip() for x in (DEPLOY.parent.parent / ".dockerignore").read_text().splitlines()]
+    rules = [x for x in rules if x and not x.startswith("#")]
+    assert rules[0] == "*"  # everything out, then the copied paths back in
+    allowed = {x[1:].rstrip("/") for x in rules if x.startswith("!")}
+    assert allowed == copied == {"pyproject.toml", "README.md", "gateway", "neurons", "scoring"}
+
+
 def test_the_example_settings_files_are_valid_settings() -> None:
     from neurons.miner.cli import parse_args as miner_args
     from neurons.validator.config import parse_args

@@ -33,6 +33,10 @@ Issue 38's:
   fault, it says) instead of a 429: four 1-slot hotkeys on one card refused that way for free, at the capacity
   check too, and routed as unmeasured.
 
+* ``check-second``: on a card shared with a sibling hotkey, start each capacity-check stream only once the card is
+  idle: the sibling's check streams run alone and read as a whole card, this one's after them as half, 1.5 cards
+  for one where serving both at once reads 0.5 + 0.5.
+
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
 
@@ -60,7 +64,7 @@ from neurons.model.toy import MODEL as TOY
 from .load import CardRuntime
 
 CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer", "hold-check", "hold-check-429",
-          "slot-liar", "burst", "cycler", "too-long-when-busy")
+          "slot-liar", "burst", "cycler", "too-long-when-busy", "check-second")
 PROBE_MARK = "\u2063"  # an invisible separator before a probe's prompt: the oracle (ProbeOracle)
 CHECK_MARK = PROBE_MARK * 2  # ... two before a capacity-check stream's
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
@@ -129,6 +133,9 @@ class CheatRuntime:
                 return
             if cheat == "hold-check-429" and self.card.active > 0:
                 raise self._refuse()
+        elif cheat == "check-second":
+            if self.is_check(payload):
+                await self._card_idle()
         elif cheat == "cycler":
             if not self.is_probe(payload):  # junk for users: another prompt's answer, at the card's own speed
                 payload = {**payload, "messages": [{"role": "user", "content": "something else entirely"}]}
@@ -139,6 +146,14 @@ class CheatRuntime:
         async with contextlib.aclosing(self.card.stream(payload)) as frames:
             async for chunk in frames:
                 yield chunk
+
+    async def _card_idle(self) -> None:
+        """Wait until nothing runs on the card (bounded: the validator's first-token deadline ends it sooner)."""
+        step = 0.02 / self.card.scale
+        for _ in range(int(HANG_S / step)):
+            if self.card.active == 0:
+                return
+            await asyncio.sleep(step)
 
     async def _held(self, payload: dict[str, Any]) -> bytes:
         """The card's real answer, computed in full and held: all of it in one write at the end."""

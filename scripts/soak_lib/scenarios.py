@@ -57,6 +57,9 @@ CHEATERS: dict[str, bool] = {
     "cycler": True,  # honest to probes, junk to users: cycles through quarantine
     # issue 38: a refusal dressed as the client's fault
     "split-400": False,  # four 1-slot hotkeys on one card, 400 context_length_exceeded whenever the card is busy
+    # issue 38, against its own rules: the continuous card reading, and the check read one hotkey at a time
+    "split-2": False,  # one card as 2 hotkeys of 4 slots (each measured at ~0.5: the reading's ramp starts there)
+    "split-serial": False,  # the same, one of them starting its check streams only once the card is idle
 }
 HALF_SPEED = CardProfile(name="rtx5090-half", single_tok_s=220.0, aggregate_tok_s=150.0, chunks_per_token=2)
 HALF_IDS = CardProfile(name="rtx5090-half-ids", single_tok_s=220.0, aggregate_tok_s=150.0)  # honest, just slow
@@ -189,6 +192,9 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
                *(CardSpec(f"slot-liar/{i}", FAST, cheat="slot-liar", card="slot-liar") for i in range(4)),
                *(CardSpec(f"split-400/{i}", FAST, slots=1, cheat="too-long-when-busy", card="split-400")
                  for i in range(4)),
+               *(CardSpec(f"split-2/{i}", FAST, card="split-2") for i in range(2)),
+               CardSpec("split-serial/0", FAST, card="split-serial"),
+               CardSpec("split-serial/1", FAST, cheat="check-second", card="split-serial"),
                CardSpec("half-burst", HALF_IDS, cheat="burst"),
                CardSpec("half-honest", HALF_IDS),
                CardSpec("cycler", FAST, cheat="cycler")),
