@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scoring.credit import CreditConfig, aggregate_rate, on_time_credit, on_time_rate, request_credit
+from scoring.credit import CreditConfig, aggregate_rate, on_time_credit, on_time_rate, request_credit, ttft_credit
 from scoring.measurement import FailureReason, Measurement
 from scoring.pay import work_s
 
@@ -113,8 +113,15 @@ def delivered_rate(m: Measurement, cfg: CreditConfig) -> float:
     """What one capacity-check stream delivered, tok/s, on the validator's clock (:func:`on_time_rate`):
     0 for a failure; tokens over the whole latency for an answer too short to time (so stopping after two
     tokens shows no capacity either); never more than one stream of an honest card can decode (the
-    single-stream peak of the profile), so no answer, however it is timed, reads as more than that."""
+    single-stream peak of the profile), so no answer, however it is timed, reads as more than that.
+
+    0 too for a stream whose first token came after the TTFT band's zero (it earned no TTFT credit): a check
+    served one hotkey at a time reads as more cards than the card (issue 38's ``check-second``: two hotkeys on one
+    card, one starting its check streams once the other's were done, read 1.0 + 0.11 cards and weighed up to 1.09x
+    an honest card beside two CPU hogs). Started late, those streams now deliver nothing."""
     if not m.ok or not math.isfinite(m.latency_s) or m.latency_s <= 0:
+        return 0.0
+    if ttft_credit(m.ttft_s, m.prompt_tokens, cfg) == 0.0:
         return 0.0
     rate = on_time_rate(m, cfg)
     if rate is None:

@@ -100,6 +100,22 @@ def test_a_refused_check_stream_delivers_nothing(failure: FailureReason) -> None
     assert scorer.capacity.multiplier("ours") == UNMEASURED
 
 
+def test_a_check_served_one_hotkey_at_a_time_is_not_more_cards() -> None:
+    """Issue 38: two hotkeys on one card, the second starting its check streams once the first's were done. The first
+    reads a whole card; the second's streams started after the TTFT band's zero and deliver nothing, so the two
+    together read one card, as serving both at once does (0.5 + 0.5)."""
+    n = check_tokens(3, CFG, longest=512)
+    first = _check("x", tokens=n)  # alone on the card: 100 tok/s a stream over 3 streams
+    late = dataclasses.replace(_check("y", tokens=n), ttft_s=first.latency_s + 0.45,
+                               latency_s=2 * first.latency_s)  # its turn came when the first's ended
+    x = capacity_ratio([delivered_rate(first, CFG)] * 3, 3.0, CFG)
+    y = capacity_ratio([delivered_rate(late, CFG)] * 3, 3.0, CFG)
+    assert x is not None and y is not None
+    assert cards(x) == 1.0 and y == 0.0
+    both = capacity_ratio([delivered_rate(_check("z", tokens=n, per_stream_tok_s=50.0), CFG)] * 3, 3.0, CFG)
+    assert both is not None and cards(both) == pytest.approx(0.5, abs=0.05)  # each of two served at once
+
+
 def test_a_quick_first_token_is_not_more_cards() -> None:
     """Issue 38: an honest card whose first token comes at 50 ms read as 3.6 cards at 64 tokens (its decode timed from
     the TTFT band's edge). At the GPU mix's check length it reads one card, like the same card at 450 ms, while two
