@@ -20,7 +20,7 @@ DEPLOY = Path(__file__).resolve().parent.parent / "scripts" / "deploy"
 def test_the_build_context_holds_what_the_dockerfile_copies_and_nothing_else() -> None:
     """Issue 40: a Docker build sent a 1.7 GB context (.venv, .field, .git). ``.dockerignore`` lets through exactly the
     paths the Dockerfile copies from the context, so a new COPY without its line here fails this test."""
-    copied = set()
+    copied: set[str] = set()
     for line in (DEPLOY / "Dockerfile").read_text().splitlines():
         words = line.split()
         if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):

@@ -34,8 +34,9 @@ Issue 38's:
   check too, and routed as unmeasured.
 
 * ``check-second``: on a card shared with a sibling hotkey, start each capacity-check stream only once the card is
-  idle: the sibling's check streams run alone and read as a whole card, this one's after them as half, 1.5 cards
-  for one where serving both at once reads 0.5 + 0.5.
+  idle: the sibling's check streams run alone and read as a whole card, this one's after them as a share, more
+  than one card for one where serving both at once reads 0.5 + 0.5 (measured 1.0 + 0.11 cards, until a check
+  stream whose first token came after the TTFT band's zero counted 0).
 
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
