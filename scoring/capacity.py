@@ -29,9 +29,9 @@ noise an honest card's reading has.
 A check stream the miner refused (a 429 for "busy", a 400, any failure that is its own) delivered nothing and
 counts 0 (issue 38: four 1-slot hotkeys on one card refused their siblings' check streams, so each was read
 only from the check it won, as a whole card, or never and routed as unmeasured); so does one whose first token
-came after the TTFT band's zero (:func:`scoring.rounds.delivered_rate`: a check served one hotkey at a time). A hotkey never measured
-routes at :data:`UNMEASURED`, half a card: registering hotkeys faster than checks measure them must not be
-worth a card each.
+came after the TTFT band's zero (:func:`scoring.rounds.delivered_rate`: a check served one hotkey at a time).
+A hotkey never measured routes at :data:`UNMEASURED`, half a card: registering hotkeys faster than checks
+measure them must not be worth a card each.
 
 Example::
 
