@@ -233,8 +233,11 @@ def test_holding_the_first_token_never_raises_credit(rate: float, tokens: int) -
         acc_h.add(dataclasses.replace(honest, capacity_check=True))
         acc_b.add(dataclasses.replace(held(honest), capacity_check=True))
     assert acc_b.miners["a"].score <= acc_h.miners["a"].score + 1e-9
-    # the capacity check reads the same delivered rate from both: the burst shows no extra cards
-    assert acc_b.miners["a"].capacity_rates == pytest.approx(acc_h.miners["a"].capacity_rates)
+    # the capacity check reads no more from the burst than from the stream: the burst shows no extra cards (and a
+    # burst whose first token came after the TTFT band's zero delivers nothing at all: scoring.rounds)
+    held_rates, streamed = acc_b.miners["a"].capacity_rates, acc_h.miners["a"].capacity_rates
+    assert len(held_rates) == len(streamed) == 5
+    assert all(b <= h + 1e-9 for b, h in zip(held_rates, streamed, strict=True)), (held_rates, streamed)
 
 
 def test_a_half_speed_card_is_judged_by_when_its_answer_is_complete() -> None:
