@@ -218,9 +218,10 @@ def test_local_subnet_real_mode_quarantines_cheaters(tmp_path: Path, capsys: pyt
     # answered "busy" to every request of rounds 1-3 and its first answers came in the round cut short by the stop
     assert all(by_uid.get(1, [])), by_uid
     # random tokens fail every audit; a one-token "stop" is sometimes plausible (bench: caught 90 %), so over
-    # ~7 audits it fails at least 60 % of them (P(miss) ~3 % at 90 %) and is quarantined either way (below)
+    # ~7 audits it fails at least 60 % of them (P(miss) ~3 % at 90 %) and is quarantined either way (below). Beside
+    # two CPU hogs the one-token cheat had only 2 audits in a CI run (both failed: the two strikes that quarantine it)
     assert len(by_uid.get(2, [])) >= 3 and all(not p for p in by_uid[2]), by_uid
-    assert len(by_uid.get(3, [])) >= 3 and by_uid[3].count(False) >= 0.6 * len(by_uid[3]), by_uid
+    assert len(by_uid.get(3, [])) >= 2 and by_uid[3].count(False) >= 0.6 * len(by_uid[3]), by_uid
     quarantined = {hk for hk, r in strikes.items() if isinstance(r, dict) and r.get("quarantined_at") is not None}
     assert quarantined == cheats and len(quarantined) == 2, strikes  # the two cheats, never the honest miner
     capsys.readouterr()

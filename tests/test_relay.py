@@ -374,8 +374,13 @@ async def test_burst_of_mixed_outcomes_balances_the_books(make_miner, make_gatew
     assert await eventually(lambda: all(m.active == 0 for m in miners), within_s=10)
     assert await eventually(lambda: len(h.measurements()) == h.upstream.dispatched, within_s=10)
     by_uid = Counter(x.uid for x in h.measurements())
-    for m in miners:  # every request a miner saw is exactly one measurement, and vice versa
-        assert by_uid[h.uids[m.tag]] == m.requests, m.tag
+    for m in miners:  # every request a miner saw is exactly one measurement, and vice versa ...
+        uid = h.uids[m.tag]
+        # ... but for a client that gave up while its request was still on its way (beside two CPU hogs in CI: one of
+        # 14): measured as the client leaving before a byte came, never seen by the miner's handler
+        unseen = sum(1 for x in h.measurements() if x.uid == uid and x.failure == FailureReason.CLIENT_DISCONNECT
+                     and x.ttft_s is None)
+        assert m.requests <= by_uid[uid] <= m.requests + unseen, (m.tag, by_uid[uid], m.requests, unseen)
     assert by_uid[h.uids["dead"]] == h.upstream.dispatched - sum(m.requests for m in miners)
     assert sum(m.served for m in h.router.miners()) == sum(x.ok for x in h.measurements())
     assert statuses["200"] >= 1 and statuses["200"] + statuses["gave_up"] >= sum(x.ok for x in h.measurements())
