@@ -101,12 +101,12 @@ class MinerRound:
         return percentile(self.ttft_samples, 95)
 
 
-# Check-stream outcomes that say nothing of the miner's capacity: the validator's own faults. Any other failure
-# delivered nothing and reads 0, a 429 "busy" and a 400 included: a check stream goes only into a slot this
-# validator counts free, and a card whose slots other traffic fills has no capacity for this validator's users
-# either (scoring.capacity).
-NOT_THE_MINERS_CHECK = frozenset({FailureReason.LOCAL_RESOURCES, FailureReason.SHUTDOWN,
-                                  FailureReason.CLIENT_DISCONNECT})
+# Check-stream outcomes that say nothing of the miner's capacity: those credit does not blame it for, but for its own
+# refusals. A 429 "busy" and a 400 delivered nothing and read 0: a check stream goes only into a slot this validator
+# counts free, and a card whose slots other traffic fills has no capacity for this validator's users either
+# (scoring.capacity). What is left are the validator's own faults and its own cancels.
+NOT_THE_MINERS_CHECK = frozenset(r for r in FailureReason if not r.blames_miner) - {
+    FailureReason.BUSY, FailureReason.CLIENT_REJECTED}
 
 
 def delivered_rate(m: Measurement, cfg: CreditConfig) -> float:

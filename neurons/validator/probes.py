@@ -108,10 +108,11 @@ class ProbeRunner:
     def check_capacity(self) -> int:
         """Fill every miner's free declared slots but one with probes, all started now; returns how many."""
         sent = 0
+        longest = max(self._prompts.mix.max_tokens)
         for m in self._router.miners():
             busy = m.in_flight + m.elsewhere  # every gateway process's streams
             streams = max(1 if busy == 0 else 0, m.slots - busy - 1)
-            least = check_tokens(busy + streams, self._credit, longest=max(self._prompts.mix.max_tokens))
+            least = check_tokens(busy + streams, self._credit, longest=longest)
             for _ in range(streams):
                 payload = self._check_payload(self._model_for(m), least)  # before the lease: nothing can leak it
                 lease = self._router.acquire_uid(m.uid)

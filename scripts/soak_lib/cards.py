@@ -163,7 +163,7 @@ class Cards:
                 if m.spec.background_rps > 0 and isinstance(m.runtime, CardRuntime):
                     bg = asyncio.create_task(m.runtime.background(m.spec.background_rps,
                                                                   random.Random(self._bg_rng.random())))
-                    self._stack.push_async_callback(_cancelled, bg)
+                    self._stack.push_async_callback(cancelled, bg)
         except BaseException:
             await self._stack.aclose()
             raise
@@ -286,6 +286,7 @@ async def _serve(conn: Connection, sc: Scenario, opts: Options, validator: str) 
                 return
 
 
-async def _cancelled(task: asyncio.Task[Any]) -> None:
+async def cancelled(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait for it to end (an exit-stack callback: the harness's tasks use it too)."""
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)

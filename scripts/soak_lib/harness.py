@@ -40,7 +40,7 @@ from scoring.measurement import Measurement, MeasurementQueue
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
 
-from .cards import Cards, CardsApart, MinerInfo
+from .cards import Cards, CardsApart, MinerInfo, cancelled
 from .cheaters import SELF_MARK, ProbeOracle
 from .routers import learn_slots, make_router
 from .scenarios import Scenario
@@ -199,14 +199,14 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
         auditor = parts.auditor
         if auditor is not None:
             audits = asyncio.create_task(auditor.run())
-            stack.push_async_callback(_cancelled, audits)
+            stack.push_async_callback(cancelled, audits)
         for p in (parts, *others):
             if router_kind not in ("project", "slots"):  # the reference routers ignore X-Miner-Slots
                 p.upstream.on_slots = None
             if p.shared is not None:
                 for name, loop_fn in p.shared.loops().items():
                     t = asyncio.create_task(loop_fn(), name=name)
-                    stack.push_async_callback(_cancelled, t)
+                    stack.push_async_callback(cancelled, t)
         scorer, upstream = parts.scorer, parts.upstream
         sink = TimeScaledSink(scorer, scale, taps=(tap,))
         urls = []
@@ -357,11 +357,6 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
             result.series[label].background_streams = report.background_streams
     result.wall_s = time.monotonic() - t_start
     return result
-
-
-async def _cancelled(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[MinerInfo], alive: dict[str, bool],
