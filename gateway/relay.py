@@ -56,7 +56,7 @@ from .protocol.errors import (
 from .protocol.openai import ChatRequest
 from .protocol.sampling import GOLDEN, SEED_MAX, is_seed
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, fold_tool_calls, frame
-from .router import Lease, Router
+from .router import Lease, Router, request_work
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
 
 if TYPE_CHECKING:
@@ -319,7 +319,7 @@ class Relay:
         loop = asyncio.get_running_loop()
         while True:
             lease = self.router.acquire(exclude=tried | full if full else tried, model=req.model, needs=req.needs,
-                                        sampled=req.sampled)
+                                        sampled=req.sampled, work=request_work(req.max_tokens, req.prompt_tokens))
             if self.leases is None:
                 return lease
             if lease is None:

@@ -10,9 +10,11 @@ Two refinements, both measured by ``scripts/soak.py``:
 
 * *Two weighted draws, less-served wins.* Each pick draws two miners at random in proportion to
   score and keeps the one that is behind on its score-proportional share (stride-scheduling "pass":
-  +1/score per dispatch). Every pick stays random, shares stay proportional to score, but the luck of
-  the draw no longer lets one of two identical cards carry 55-60 % of a light hour's traffic and
-  come out with a worse TTFT for it (the "power of two choices" effect).
+  +work/score per dispatch, work in typical requests, :func:`request_work`). Every pick stays random,
+  shares stay proportional to score, but the luck of the draw no longer lets one of two identical cards
+  carry 55-60 % of a light hour's traffic and come out with a worse TTFT for it (the "power of two
+  choices" effect). Work, not a count: cards are paid for work, and with requests of 400, 16 and 16
+  tokens in turn counting let the large ones gather on one card (1.13x the other's work, 1.50x at worst).
 * *Zero scores last.* A miner scored 0 (dead, lying, hopeless) is chosen only when no miner with a
   positive score is eligible at any load, so a card that died leaves organic routing as soon as a
   round has scored it; probes keep measuring it and bring it back when it recovers.
@@ -239,6 +241,17 @@ def _clean_score(value: float) -> float:
 
 MAX_SLOTS = 64  # the most concurrent requests a miner's advertised slot count can claim
 HORIZON = 4.0  # dispatches of memory each way, in units of a miner's own stride
+WORK_MEMORY = 64  # dispatches the running mean of a request's work (the unit of a stride) follows
+# A prompt token's card time against an output token's: a 5090's prefill (24,000 tok/s) against its peak decode
+# (440 tok/s), scoring.credit's defaults. An estimate for balancing, not pay: pay counts what was measured.
+PROMPT_TOKEN_WORK = 440.0 / 24000.0
+
+
+def request_work(max_tokens: int, prompt_tokens: int = 0) -> float:
+    """What a request will cost a card, in output tokens, as far as dispatch can tell: its ``max_tokens`` (an
+    answer may stop sooner) and its prompt at prefill speed. The less-served draw balances this, so identical
+    cards end with the same work, which is what they are paid for, not merely the same number of requests."""
+    return max(0, max_tokens) + max(0, prompt_tokens) * PROMPT_TOKEN_WORK
 
 
 class Router:
@@ -261,6 +274,7 @@ class Router:
         # forced picks (everyone else busy) is not repaid by starving that miner for an hour after.
         self._vt = 0.0
         self._wsum = 1.0
+        self._mean_work = 0.0  # running mean of the work dispatches named (_stride); 0: none named yet
         self.default_model: str | None = None  # what a miner that declared no models serves (None: any)
         self._everyone: dict[tuple[str | None, frozenset[str]], bool] = {}  # (model, needs) every miner serves
         self._mixed = False  # some miners declare the subnet's sampler and some do not (_mixed_samplers)
@@ -412,13 +426,15 @@ class Router:
         return b if pb < pa else a  # equal: a, itself a random draw
 
     def acquire(self, exclude: AbstractSet[int] = frozenset(), model: str | None = None,
-                needs: frozenset[str] = frozenset(), *, sampled: bool = False) -> Lease | None:
+                needs: frozenset[str] = frozenset(), *, sampled: bool = False, work: float | None = None
+                ) -> Lease | None:
         """Pick a miner (among those serving ``model`` with ``needs``; for a ``sampled`` request, a free one that
-        declares the subnet's sampler when there is one) and count one request in flight on it."""
+        declares the subnet's sampler when there is one) and count one request in flight on it. ``work``: what
+        the request will cost a card (:func:`request_work`), so the less-served draw balances work, not counts."""
         m = self.pick(exclude, model, needs, free_sampler=True) if sampled and self._mixed_samplers() else None
         if m is None:
             m = self.pick(exclude, model, needs)
-        return None if m is None else self.acquire_uid(m.uid)
+        return None if m is None else self.acquire_uid(m.uid, work=work)
 
     def _mixed_samplers(self) -> bool:
         """Whether some miners declare the sampler and some do not (else the preference changes nothing, and the
@@ -446,8 +462,9 @@ class Router:
         if self.on_room is not None:
             self.on_room()
 
-    def acquire_uid(self, uid: int) -> Lease | None:
-        """Count one request in flight on a specific miner (probes), so organic routing sees it too."""
+    def acquire_uid(self, uid: int, work: float | None = None) -> Lease | None:
+        """Count one request in flight on a specific miner (probes), so organic routing sees it too; ``work`` as
+        in :meth:`acquire` (None: a typical request's)."""
         m = self._miners.get(uid)
         if m is None:
             return None
@@ -455,10 +472,22 @@ class Router:
                       on_deliver=self.on_deliver)
         self._unbucket(m)
         m.in_flight += 1
-        m.passes = self._pass(m) + 1.0 / (self._weight(m) or self._prior or 1.0)
-        self._vt += 1.0 / self._wsum
+        stride = self._stride(work)
+        m.passes = self._pass(m) + stride / (self._weight(m) or self._prior or 1.0)
+        self._vt += stride / self._wsum
         self._bucket_in(m)
         return lease
+
+    def _stride(self, work: float | None) -> float:
+        """A dispatch's advance of the pass, in typical requests: ``work`` over the running mean of the work named,
+        at most HORIZON (a request of 40 typical ones is repaid as 4, the memory the passes keep anyway)."""
+        if work is None or not math.isfinite(work) or work <= 0.0:
+            return 1.0
+        if self._mean_work <= 0.0:
+            self._mean_work = work
+        else:
+            self._mean_work += (work - self._mean_work) / WORK_MEMORY
+        return min(work / self._mean_work, HORIZON)
 
     def release(self, lease: Lease, served: bool = False) -> None:
         """Give the in-flight unit back. Idempotent, so a double release cannot corrupt counts."""
