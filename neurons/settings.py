@@ -137,7 +137,8 @@ def file_settings(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]
     return out
 
 
-# Variables with a program's prefix that are not flags: secrets, test switches, paths (the README names each).
+# Variables with a program's prefix that are not flags: secrets, test switches, paths (docs/pages/operators.md,
+# *Every flag*, names each).
 NON_FLAG_VARIABLES = frozenset(VALIDATOR_PREFIX + n for n in (
     "CONFIG", "API_KEYS", "METRICS_KEY", "AUDIT_KEY", "SKIP_REAL", "SKIP_REDIS", "SKIP_VLLM", "MODEL_DIR",
     "FIELD_DIR", "DOCKER_BASE"))

@@ -12,7 +12,8 @@ rounds are summed. Steps:
 * ``after-ack``: saved and acknowledged.
 
 A row passes when the stored requests equal the measurements sent: none lost, none counted twice.
-``--smoke`` runs each step once; the issue's proof is ``--times 20`` (the README gives the figures).
+``--smoke`` runs each step once; the issue's proof is ``--times 20`` (docs/pages/operators.md, *Where state lives*,
+gives the figures).
 
     python scripts/kill_rounds.py --times 20            # starts its own redis-server on a free loopback port
     python scripts/kill_rounds.py --smoke

@@ -124,7 +124,8 @@ def test_cpu_split_fits_a_fixed_part_and_a_part_per_token() -> None:
 
 
 def test_rewrite_floor_keeps_the_gateways_fixed_part_and_the_metered_relays_part_a_token() -> None:
-    # figures of 2026-12-05 (README): gateway 1.05 ms + 73.7 us, pymeter 0.23 + 43.6, pyrelay 0.20 + 32.4
+    # figures of 2026-12-05 (docs/pages/performance.md): gateway 1.05 ms + 73.7 us, pymeter 0.23 + 43.6,
+    # pyrelay 0.20 + 32.4
     floor = rewrite_floor((1.05, 73.7), (0.23, 43.6), (0.20, 32.4), 128)
     assert floor == pytest.approx((1050 / 128 + 43.6) / (200 / 128 + 32.4))  # 1.52x
     assert rewrite_floor((0.2, 99.0), (0.2, 32.4), (0.2, 32.4), 128) == pytest.approx(1.0)  # nothing per request

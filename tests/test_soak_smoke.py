@@ -255,9 +255,9 @@ def test_adversarial_miners_without_user_work_are_paid_nothing(smoke: tuple[str,
 
 
 # Targets of the adversarial smoke whose margin is inside the noise of 8 rounds: judged over the full run's 3 seeds
-# (README), printed here. Over the full runs with the cards apart (2026-12-06, quiet and beside two CPU hogs): the
-# self-dealer 0.86-0.94x, the honest card with invisible load 0.81-1.04x, identical honest cards 1.00-1.24x apart, the
-# honest card with a 50 ms first token 0.92-1.07x (1.21x in one smoke run).
+# (docs/pages/design.md), printed here. Over the full runs with the cards apart (2026-12-06, quiet and beside two
+# CPU hogs): the self-dealer 0.86-0.94x, the honest card with invisible load 0.81-1.04x, identical honest cards
+# 1.00-1.24x apart, the honest card with a 50 ms first token 0.92-1.07x (1.21x in one smoke run).
 STATISTICAL = ("cheater 'self-dealer'", "honest card with invisible load", "identical honest cards",
                "honest card with a 50 ms first token")
 

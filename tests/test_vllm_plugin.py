@@ -3,8 +3,8 @@
 The tensor tests need torch (the ``plugin`` extra, in the README's install). The processor tests need vLLM's
 Model Runner V2 interface, which the default install never has: they skip unless ``vllm`` imports. They were run
 against vLLM 0.34.0 (``pip install --no-deps vllm==0.34.0`` beside torch 2.13.0 CPU and vLLM's pure-Python
-dependencies; README, "Miners on vLLM", says how) and pass there. This file imports nothing that needs bittensor,
-so it also runs in such a venv with ``--noconftest``.
+dependencies; docs/pages/operators.md, "Miners on vLLM", says how) and pass there. This file imports nothing that
+needs bittensor, so it also runs in such a venv with ``--noconftest``.
 """
 
 from __future__ import annotations

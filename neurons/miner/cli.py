@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name to put in requests to the runtime (default: keep the caller's)")
     p.add_argument("--runtime.sampler", dest="runtime_sampler", choices=("subnet", "own"), default="own",
                    help="with --runtime.url: 'subnet' when the runtime is a vLLM started with the subnet's sampler "
-                        "plugin (README, 'Miners on vLLM'): sampled answers are then audited token by token and "
-                        "paid; 'own' (default): the runtime's own RNG, whose sampled answers validators do not pay")
+                        "plugin (docs/pages/operators.md, 'Miners on vLLM'): sampled answers are then audited token by "
+                        "token and paid; 'own' (default): the runtime's own RNG, whose sampled answers validators do "
+                        "not pay")
     p.add_argument("--runtime.features", dest="runtime_features", default="", metavar="LIST",
                    help="what the runtime behind --runtime.url serves beyond plain chat, comma-separated, of: "
                         f"{', '.join(sorted(FEATURES))} (declared to validators, who route requests using them here)")

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default="on" if d.probes_replay else "off",
                     help="most probes re-send a recent user request (held in memory only) to another miner, so "
                          "probes cannot be told apart by their text; off: users' prompts never reach a second "
-                         "miner, and probes are generated (recognisable: README)")
+                         "miner, and probes are generated (recognisable: docs/pages/design.md)")
     sc.add_argument("--probes.mix", dest="prompt_mix", choices=("gpu", "cpu"), default=d.prompt_mix,
                     help="request sizes of probes: gpu (up to 3.5k-token prompts, 512-token answers) or cpu")
     sc.add_argument("--credit.profile", dest="credit_profile", default=d.credit_profile,

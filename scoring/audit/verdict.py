@@ -26,7 +26,7 @@ Pure rules, in the order they are checked:
    length. A client's own ``stop`` strings end answers where the model would go on, so such answers
    skip this check (the runtime strips the string, and the reference cannot see it).
 
-The bands were chosen from honest variance measured by ``scripts/bench_audit.py``; see the README.
+The bands were chosen from honest variance measured by ``scripts/bench_audit.py``; see docs/pages/performance.md.
 
 Example::
 
