@@ -95,3 +95,49 @@ def test_a_text_that_its_ids_do_not_spell_fails() -> None:
     a = _answer(_prompt(7), temperature=0.0, rng=random.Random(5))
     v = _verdict(dataclasses.replace(a, text=a.text + " extra"))
     assert v is not None and v.failure == AuditFailure.TEXT_MISMATCH
+
+
+def _seeded(i: int, seed: int, temperature: float, top_p: float = 1.0, max_tokens: int = 48) -> Answer:
+    messages = _prompt(i)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+    ids, ended = M.generate(M.key(messages), max_tokens, sampling, random.Random(i))
+    text = b"".join(M.piece(t) for t in ids).decode()
+    return Answer(messages=messages, sampling=sampling, max_tokens=max_tokens, stop=(), text=text,
+                  token_ids=tuple(ids) + ((M.eot,) if ended else ()), finish_reason="stop" if ended else "length")
+
+
+def test_a_seeded_answer_is_the_seeds_and_the_audit_replays_it() -> None:
+    """Like the subnet sampler's: the same seed gives the same answer (a client's seed is repeatable on a simulated
+    card), another seed another one, and the audit replays the draw exactly, so an honest answer never fails it
+    (judged by plausibility instead, 5 of 3,000 honest toy answers failed) and an answer to another seed does."""
+    a, b = _seeded(1, 42, 0.9), _seeded(1, 42, 0.9)
+    assert a.token_ids == b.token_ids
+    assert _seeded(1, 43, 0.9).token_ids != a.token_ids
+    rng = random.Random(6)
+    for i in range(400):
+        t = rng.uniform(0.2, 1.2)
+        a = _seeded(i, rng.randrange(1 << 62), t, top_p=rng.choice((0.8, 0.9, 1.0)), max_tokens=rng.choice((8, 48)))
+        v = _verdict(a)
+        assert v is not None and v.passed and v.misses == 0, (i, t, v)
+    a = _seeded(3, 7, 1.0)
+    v = _verdict(dataclasses.replace(a, sampling=dataclasses.replace(a.sampling, seed=8)))
+    assert v is not None and v.failure == AuditFailure.WRONG_TOKENS, v
+
+
+@pytest.mark.parametrize("cheat", ["random", "stop-early", "truncated-length"])
+def test_seeded_cheats_fail(cheat: str) -> None:
+    a = _seeded(11, 99, 1.0)
+    ids = list(a.token_ids or ())
+    if cheat == "random":
+        rng = random.Random(1)
+        ids = [rng.randrange(M.n) + (M.n if i == 0 else 0) for i in range(len(ids))]
+        a = dataclasses.replace(a, token_ids=tuple(ids), text=b"".join(M.piece(t) for t in ids).decode())
+        expected = AuditFailure.WRONG_TOKENS
+    else:
+        ids = ids[:3]
+        finish = "stop" if cheat == "stop-early" else "length"
+        a = dataclasses.replace(a, token_ids=tuple(ids), text=b"".join(M.piece(t) for t in ids).decode(),
+                                finish_reason=finish)
+        expected = AuditFailure.EARLY_STOP if cheat == "stop-early" else AuditFailure.FALSE_LENGTH
+    v = _verdict(a)
+    assert v is not None and v.failure == expected, v

@@ -164,8 +164,8 @@ class SimulatedRuntime:
     def __init__(self, profile: CardProfile, rng: random.Random | None = None) -> None:
         self.profile = profile
         self.name = f"sim:{profile.name}"
-        # A simulated card stands for a card that runs the subnet's sampler; the toy model behind it can only be
-        # audited for plausibility (neurons.reference.toy), which is the toy reference's limit, not the card's.
+        # A simulated card stands for a card that runs the subnet's sampler: its seeded answers are drawn from the
+        # seed (neurons.model.toy.SeededDraws), so the same seed gives the same answer and the audit replays it.
         self.sampler: str | None = SUBNET_SAMPLER
         self.features = SIMULATED_FEATURES  # tools, JSON mode and logprobs, in the shapes a real server writes them
         self._rng = rng if rng is not None else random.Random()
@@ -229,8 +229,11 @@ class SimulatedRuntime:
         if p.random_words:
             tokens, ended = [rng.randrange(MODEL.n) + (MODEL.n if i == 0 else 0) for i in range(total)], False
         else:
-            tokens, ended = MODEL.generate(MODEL.key(payload.get("messages")), max_tokens, SamplingParams.of(payload),
-                                           rng, total=total, share=p.stop_rate)
+            sampling = SamplingParams.of(payload)
+            if self.sampler != SUBNET_SAMPLER:  # a stock runtime's card: its own RNG, whatever the seed
+                sampling = dataclasses.replace(sampling, seed=None)
+            tokens, ended = MODEL.generate(MODEL.key(payload.get("messages")), max_tokens, sampling, rng, total=total,
+                                           share=p.stop_rate)
         finish = "stop" if ended else "length"
         if 0 < p.stop_after_tokens < len(tokens):
             tokens, finish = tokens[: p.stop_after_tokens], "stop"
