@@ -5,7 +5,7 @@ byte: TTFT ends at the first chunk that carries content (a role-only prelude doe
 completion tokens are counted here, never taken from the miner's usage claim: the token ids a chunk
 names (``choice.token_ids``), or one per content chunk from a miner that names none; a stream is
 complete only with ``[DONE]`` or a finish reason followed by a clean end. Whatever a miner sends that
-breaks these rules raises :class:`MeterFailure` with the :class:`~scoring.measurement.FailureReason`
+breaks these rules raises :class:`MeterFailure` with the :class:`~gateway.protocol.measurement.FailureReason`
 it earns: garbage (invalid SSE, JSON, UTF-8, NaN, wrong shape, more text than its tokens can
 spell), overlong (more tokens than ``max_tokens``), empty (finished without content), dropped (an
 error event, or the end before a finish).
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from scoring.measurement import FailureReason
+from gateway.protocol.measurement import FailureReason
 
 from .protocol.sse import DONE, ChunkInfo, SSEErrorEvent, SSEGarbage, SSEParser, fold_tool_calls, parse_chunk
 

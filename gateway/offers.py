@@ -13,7 +13,7 @@ fails any check declares nothing (the miner is treated as undeclared), and the m
 declaration is advice to the router, and what the miner then serves is measured and audited like any answer.
 
 Declaring a feature earns nothing by itself: requests that use one are routed to the miners that declared it
-and paid like any other, except where the audit cannot check them (:func:`scoring.audit.policy.audit_skip`),
+and paid like any other, except where the audit cannot check them (:func:`gateway.protocol.auditable.audit_skip`),
 which pay 0 where the
 validator audits. So a miner gains nothing by declaring what it cannot serve: a request it mishandles fails it.
 

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scoring.measurement import FailureReason
+from gateway.protocol.measurement import FailureReason
 
 from .asgi import Send, send_json
 from .protocol.errors import (

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from scoring.measurement import FailureReason, Measurement
+from gateway.protocol.measurement import FailureReason, Measurement
 
 # Failures that are not the miner's fault: a 429 is the miner telling the truth about its capacity,
 # a client disconnect is the caller walking away (unless the miner had made it wait past the TTFT band:

@@ -32,7 +32,7 @@ Why this shape, against what miners were seen doing (issue 14):
   without running it fails the audits (``wrong_tokens``).
 * An answer **no audit can check** is not paid either (where the validator audits), for the same reason: tools,
   JSON mode, a ``logit_bias``, ``top_k``/``min_p`` on a sampled answer, a model the validator has no reference
-  for (:func:`scoring.audit.policy.audit_skip`). Those requests say what they are, so any pay for them would pay a
+  for (:func:`gateway.protocol.auditable.audit_skip`). Those requests say what they are, so any pay for them would pay a
   miner for junk it sends on exactly those (issue 27). Each round's table counts them (``skip``).
 * A prompt is paid at prefill speed, which is the work it takes; a long prompt answered fast earns no
   more than that, and never more than the time to first token shows was spent: an answer that comes
@@ -78,8 +78,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gateway.protocol.measurement import Measurement
 from scoring.credit import CreditConfig
-from scoring.measurement import Measurement
 
 FORFEIT_WINDOW_AT = 2  # failed audits in the window that forfeit all of its unverified pay (one: its own round's)
 

@@ -31,8 +31,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gateway.protocol.measurement import FailureReason, Measurement
 from scoring.credit import CreditConfig, aggregate_rate, on_time_credit, on_time_rate, request_credit, ttft_credit
-from scoring.measurement import FailureReason, Measurement
 from scoring.pay import work_s
 
 SHOWN_SPEED_MIN = 2  # requests at full decode credit (by this validator's count) that earn the load allowance
@@ -70,7 +70,7 @@ class MinerRound:
     organic: int = 0
     audited: int = 0  # answers teacher-forced on the reference (failed ones also count in failures)
     free_draws: int = 0  # sampled answers from a miner that declared no subnet sampler (not paid where audited)
-    skipped: int = 0  # answers no audit can check (scoring.audit.policy.audit_skip; not paid where audited)
+    skipped: int = 0  # answers no audit can check (gateway.protocol.auditable.audit_skip; not paid where audited)
     ttft_samples: list[float] = field(default_factory=list)  # successful requests only
     failures: Counter[str] = field(default_factory=Counter)
 

@@ -5,7 +5,7 @@ request credit, what routing follows) and its **value** (paid card-seconds of wo
 second, :mod:`scoring.pay`, what weights follow). A slow card is sent less because of its credit and
 so earns less; a card that serves nothing, or serves it split across hotkeys, earns by its work.
 
-It is a :class:`~scoring.measurement.MeasurementSink`: ``record`` folds a measurement into the round
+It is a :class:`~gateway.protocol.measurement.MeasurementSink`: ``record`` folds a measurement into the round
 in progress in O(1) and never raises. ``close_round`` turns the round into a :class:`RoundReport` and
 pushes it into the trailing :class:`Settlement`. The scorer does no I/O: the report carries what to
 persist (``report.saved``), and the validator writes it with :meth:`ScoreStore.save_round` on the
@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 
 from loguru import logger
 
+from gateway.protocol.measurement import Measurement
 from scoring.capacity import CapacityBook, capacity_ratio
 from scoring.credit import CreditConfig
-from scoring.measurement import Measurement
 from scoring.pay import PayWindow, RoundPay, round_value
 from scoring.rounds import RoundAccumulator
 from scoring.settlement import Settlement
@@ -79,7 +79,7 @@ class MinerReport:
     settled_value: float = 0.0  # trailing-window value after this round: what weights follow
     capacity: float = 1.0  # routing multiplier from the capacity checks (scoring.capacity)
     free_draws: int = 0  # sampled answers drawn without the subnet's sampler (the miner declared none): not paid
-    skipped: int = 0  # answers no audit can check (tools, JSON mode, ...: scoring.audit.policy.audit_skip): not paid
+    skipped: int = 0  # answers no audit can check (tools, JSON mode, ...: protocol.auditable.audit_skip): not paid
 
     @property
     def audit_passed(self) -> int:

@@ -66,6 +66,7 @@ def check(name: str, ok: bool, figure: str) -> bool:
     print(f"  {verdict(ok)}  {name}: {figure}")
     return ok
 
+from gateway.protocol.measurement import Answer  # noqa: E402
 from gateway.protocol.sampling import SamplingParams, wire_seed  # noqa: E402
 from neurons.miner.runtimes.cheats import CHEATS, no_nucleus, requantized, warm  # noqa: E402
 from neurons.miner.runtimes.llama import Generate, answer_once  # noqa: E402
@@ -75,7 +76,6 @@ from neurons.reference.llama import LlamaReference  # noqa: E402
 from neurons.validator.prompts import MIXES, PromptGenerator, asking_nucleus  # noqa: E402
 from scoring.audit import AuditBands, StrikePolicy, Verdict  # noqa: E402
 from scoring.audit.sequential import SequentialTest  # noqa: E402
-from scoring.measurement import Answer  # noqa: E402
 
 RATIO_TARGET = 0.5
 

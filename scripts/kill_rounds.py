@@ -42,7 +42,7 @@ STEPS = ("before-save", "between-save-and-ack", "after-ack")
 
 
 def _measurement(i: int) -> Any:
-    from scoring.measurement import Measurement
+    from gateway.protocol.measurement import Measurement
 
     return Measurement(uid=1 + i % 3, hotkey=f"hk{i % 3}", in_flight=0, prompt_tokens=10, max_tokens=16,
                        ttft_s=0.2, latency_s=0.5, completion_tokens=16, ok=True, finish_reason="length",

@@ -12,11 +12,11 @@ import pytest
 from bittensor.sp_core import Keypair
 
 from gateway.app import Gateway
+from gateway.protocol.measurement import MeasurementQueue
 from gateway.router import Candidate, Router
 from gateway.upstream import Upstream, UpstreamTimeouts
 from neurons.validator.build import ValidatorParts, build_parts
 from neurons.validator.config import ValidatorConfig
-from scoring.measurement import MeasurementQueue
 from tests.fakes import MODEL, DeadMiner, FakeMiner, LoopbackMiner, Script
 from tests.redis_server import RedisServer
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from gateway.protocol.measurement import FailureReason
 from gateway.upstream import UpstreamTimeouts
-from scoring.measurement import FailureReason
 from tests.conftest import API_KEY
 from tests.fakes import MODEL, Script, body, contents, error_of, eventually
 

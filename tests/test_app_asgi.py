@@ -12,10 +12,10 @@ from bittensor.sp_core import Keypair
 
 from gateway.app import Gateway, GatewayConfig
 from gateway.http.client import MinerClient
+from gateway.protocol.measurement import MeasurementQueue
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Router
 from gateway.upstream import Upstream
-from scoring.measurement import MeasurementQueue
 
 KEY = "sk-asgi-test"
 

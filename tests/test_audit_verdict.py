@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from gateway.protocol.measurement import Answer, FailureReason, Measurement
 from gateway.protocol.sampling import SamplingParams
 from scoring.audit import (
     AuditBands,
@@ -23,7 +24,6 @@ from scoring.audit import (
     judge,
     should_audit,
 )
-from scoring.measurement import Answer, FailureReason, Measurement
 
 PIECES = {1: b"", 106: b"", 5: b"Hel", 6: b"lo", 7: b" world", 8: b"\xe2\x82", 9: b"\xac"}
 STOPS = frozenset({1, 106})

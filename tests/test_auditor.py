@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from gateway.protocol.measurement import Answer, FailureReason, Measurement
 from gateway.protocol.sampling import SEED_MAX, SamplingParams
 from neurons.validator.auditor import Auditor
 from scoring.audit import AuditBands, AuditFailure, StrikeBook, StrikePolicy, Verdict
-from scoring.measurement import Answer, FailureReason, Measurement
 
 
 class ScriptedReference:

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
+from gateway.protocol.measurement import FailureReason, Measurement
 from neurons.validator.probes import ProbeRunner
 from neurons.validator.prompts import MIXES, PromptGenerator
 from scoring.capacity import ONE_CARD, UNMEASURED, CapacityBook, capacity_ratio, cards, check_tokens
 from scoring.credit import CreditConfig
-from scoring.measurement import FailureReason, Measurement
 from scoring.rounds import delivered_rate
 from scoring.scorer import Scorer
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.protocol.measurement import FailureReason, Measurement
 from scoring.credit import (
     CreditConfig,
     aggregate_rate,
@@ -17,7 +18,6 @@ from scoring.credit import (
     request_credit,
     ttft_credit,
 )
-from scoring.measurement import FailureReason, Measurement
 
 CFG = CreditConfig()
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from scoring.measurement import FailureReason
+from gateway.protocol.measurement import FailureReason
 from tests.fakes import Script, body, eventually
 
 HONEST = ("ok-a-", "ok-b-")

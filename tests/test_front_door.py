@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from scoring.measurement import FailureReason
+from gateway.protocol.measurement import FailureReason
 from tests.conftest import API_KEY
 from tests.fakes import Script, body, eventually
 

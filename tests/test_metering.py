@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.metering import MeterFailure, StreamMeter
-from scoring.measurement import FailureReason
+from gateway.protocol.measurement import FailureReason
 
 
 def ev(obj: Any) -> bytes:

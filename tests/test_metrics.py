@@ -13,10 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import Gateway, GatewayConfig
 from gateway.http.client import MinerClient
+from gateway.protocol.measurement import MeasurementQueue
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Router
 from gateway.upstream import Upstream
-from scoring.measurement import MeasurementQueue
 from tests.fakes import Script, body
 
 

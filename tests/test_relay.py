@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
+from gateway.protocol.measurement import FailureReason
 from gateway.upstream import UpstreamTimeouts
-from scoring.measurement import FailureReason
 from tests.fakes import MODEL, Script, body, contents, error_of, eventually, read_sse
 
 

@@ -17,6 +17,7 @@ import aiohttp
 import redis.asyncio as aioredis
 from bittensor.sp_core import Keypair
 
+from gateway.protocol.measurement import Measurement
 from gateway.router import Candidate, Router
 from gateway.shared.link import RedisLink
 from gateway.shared.measurements import MeasurementPublisher, MeasurementReader
@@ -24,7 +25,6 @@ from gateway.shared.routing import publish, view
 from neurons.keys import dev_keypair
 from neurons.validator.build import build_parts, build_validator, shared_namespace
 from neurons.validator.config import ValidatorConfig
-from scoring.measurement import Measurement
 from tests.fakes import MODEL, FakeMiner, Script
 from tests.redis_server import RedisServer, free_port
 

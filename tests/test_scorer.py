@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.protocol.measurement import FailureReason, Measurement, MeasurementSink
 from scoring.capacity import UNMEASURED
 from scoring.credit import CreditConfig
-from scoring.measurement import FailureReason, Measurement, MeasurementSink
 from scoring.scorer import Scorer
 from scoring.store import ScoreStore
 

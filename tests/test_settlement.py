@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from gateway.protocol.measurement import FailureReason, Measurement
 from scoring.credit import CreditConfig
-from scoring.measurement import FailureReason, Measurement
 from scoring.rounds import RoundAccumulator, percentile
 from scoring.settlement import Settlement
 from scoring.weights import compute_weights, why_empty

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from gateway.protocol.measurement import Answer, FailureReason, Measurement
 from gateway.protocol.sampling import SamplingParams
 from gateway.quota import KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
 from gateway.router import Candidate, Router
@@ -22,7 +23,6 @@ from gateway.shared.limits import SharedLimits, SharedTicket
 from gateway.shared.link import RedisLink
 from gateway.shared.measurements import MeasurementPublisher, MeasurementReader
 from gateway.shared.routing import RoutingFollower, publish, view
-from scoring.measurement import Answer, FailureReason, Measurement
 from tests.redis_server import RedisServer, free_port
 
 NS = "tensorgate:test"

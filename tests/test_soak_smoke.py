@@ -24,10 +24,10 @@ import aiohttp
 import pytest
 from bittensor.sp_core import Keypair
 
+from gateway.protocol.measurement import Measurement
 from gateway.router import Candidate
 from neurons.miner.runtimes.sim import PROFILES
 from scoring.credit import CreditConfig, request_credit
-from scoring.measurement import Measurement
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))

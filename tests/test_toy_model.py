@@ -9,11 +9,11 @@ import random
 import numpy as np
 import pytest
 
+from gateway.protocol.measurement import Answer
 from gateway.protocol.sampling import SamplingParams, asked_logprobs
 from neurons.model.toy import ToyModel
 from neurons.reference.toy import ToyReference
 from scoring.audit import AuditBands, AuditFailure, Verdict
-from scoring.measurement import Answer
 
 M = ToyModel()
 

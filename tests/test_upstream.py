@@ -14,12 +14,12 @@ from aiohttp import web
 from bittensor.sp_core import Keypair
 
 from gateway.http.client import MinerClient
+from gateway.protocol.measurement import FailureReason, MeasurementQueue
 from gateway.protocol.openai import SUBNET_SAMPLER
 from gateway.protocol.sampling import is_seed
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
 from gateway.upstream import Upstream, UpstreamTimeouts, refusal
-from scoring.measurement import FailureReason, MeasurementQueue
 from tests.fakes import MODEL, Script, body, contents, eventually, read_sse
 
 PAYLOAD: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8}

@@ -338,7 +338,7 @@ async def test_api_key_usage_of_the_day_survives_a_restart(tmp_path: Path) -> No
 
 async def test_the_round_in_progress_is_saved_at_stop(tmp_path: Path) -> None:
     """SIGTERM/Ctrl-C end in ``stop``: what the round measured so far is scored and saved, not lost."""
-    from scoring.measurement import Measurement
+    from gateway.protocol.measurement import Measurement
     from scoring.store import ScoreStore
 
     v = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0), FakeChain([]), dev_keypair("Alice"))

@@ -5,7 +5,7 @@ tokens whose probability reaches ``top_p``) and renormalise. The reference miner
 samples from exactly this distribution, and the validator's audit teacher-forces answers against
 it, so both sides import it from here. Temperature 0 is greedy decoding (the argmax), which has no
 distribution to draw from. Penalties change the distribution per answer history; an answer asked
-with them is audited for structure only (see :class:`scoring.measurement.Answer`).
+with them is audited for structure only (see :class:`gateway.protocol.measurement.Answer`).
 
 **The subnet's sampler.** A free draw can only be judged *plausible*: on a small model an answer to
 another prompt, or at another temperature, is often plausible too (``scripts/bench_audit.py``

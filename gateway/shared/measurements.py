@@ -1,8 +1,8 @@
 """Measurements from every gateway process to the one scorer, through a Redis Stream and a consumer group.
 
 Each gateway process publishes what it measured (with the answer kept for audit, when it keeps one) as one stream
-entry, MessagePack of the :class:`~scoring.measurement.Measurement` itself (msgspec: the dataclasses are the schema,
-so a field added to them travels without a second definition here). The scorer reads them as the group's one
+entry, MessagePack of the :class:`~gateway.protocol.measurement.Measurement` itself (msgspec: the dataclasses are
+the schema, so a field added to them travels without a second definition here). The scorer reads them as the group's one
 consumer and acknowledges an entry only once the round holding it is saved (:meth:`MeasurementReader.ack`), so a
 scorer killed with ``kill -9`` reads again, at its restart, every entry it had not saved: nothing acknowledged is
 lost. Entries it had read but not acknowledged come back first (the consumer's pending list, read from ``0``).
@@ -38,7 +38,7 @@ import msgspec
 from loguru import logger
 from redis.exceptions import ResponseError
 
-from scoring.measurement import Measurement
+from gateway.protocol.measurement import Measurement
 
 from .link import RedisError, RedisLink, woken
 
@@ -61,7 +61,7 @@ def decode(raw: bytes) -> Measurement:
 
 
 class MeasurementPublisher:
-    """A :class:`~scoring.measurement.MeasurementSink` for the shared stream; buffers while Redis is down."""
+    """A :class:`~gateway.protocol.measurement.MeasurementSink` for the shared stream; buffers while Redis is down."""
 
     def __init__(self, link: RedisLink, *, max_buffer: int = 50_000, batch: int = 512, every_s: float = 0.05,
                  max_stream: int = 200_000) -> None:

@@ -5,7 +5,7 @@ and connecting (a slow accept queue is the miner's latency too, never hidden by 
 headers); the rules of what counts are :class:`gateway.metering.StreamMeter`'s, fed each network read
 with the time it was taken. Whatever the miner does — refuse (429), hang, stall, send garbage, NaN,
 too-long lines, more tokens than ``max_tokens``, drop the connection — the stream is bounded, stopped
-and recorded as exactly one :class:`~scoring.measurement.Measurement`.
+and recorded as exactly one :class:`~gateway.protocol.measurement.Measurement`.
 
 Deadlines only run while the validator waits on the miner: the first token within ``first_token`` of
 dispatch, then each read within ``stall`` of the last event, all within ``total``. While the relay

@@ -13,7 +13,7 @@ import errno
 
 import aiohttp
 
-from scoring.measurement import FailureReason
+from gateway.protocol.measurement import FailureReason
 
 from ..http.client import MinerClient
 from ..protocol.openai import CHAT_PATH

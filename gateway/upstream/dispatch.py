@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 from loguru import logger
 
-from scoring.measurement import FailureReason, Measurement, MeasurementSink
+from gateway.protocol.measurement import FailureReason, Measurement, MeasurementSink
 
 from ..buckets import DECODE_BOUNDS_TOK_S, TTFT_BOUNDS_S, Buckets
 from ..http.client import MinerClient

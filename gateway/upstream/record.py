@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from scoring.measurement import Answer, FailureReason, Measurement
+from gateway.protocol.measurement import Answer, FailureReason, Measurement
 
 from ..metering import StreamMeter
 from ..protocol.sampling import SamplingParams

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from scoring.measurement import FailureReason, Measurement
+from gateway.protocol.measurement import FailureReason, Measurement
 
 from ..protocol.errors import CLIENT_FAULT_CODES
 from ..protocol.openai import MODEL_CONTEXT

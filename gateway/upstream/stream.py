@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from loguru import logger
 
-from scoring.audit.policy import audit_skip
-from scoring.measurement import FailureReason, Measurement
+from gateway.protocol.auditable import audit_skip
+from gateway.protocol.measurement import FailureReason, Measurement
 
 from ..metering import MeterFailure, StreamMeter
 from ..protocol.openai import SAMPLER_HEADER, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from gateway.protocol.measurement import Answer
 from scoring.audit import AuditBands, Verdict
-from scoring.measurement import Answer
 
 
 class Reference(Protocol):

@@ -27,11 +27,11 @@ import aiohttp
 from loguru import logger
 
 from gateway.http.client import MinerClient
+from gateway.protocol.measurement import Answer, Measurement
 from gateway.protocol.signing import RequestSigner
 from gateway.router import Candidate, Router
 from gateway.upstream import Upstream, UpstreamLimits
 from scoring.audit import AuditBands, Verdict
-from scoring.measurement import Answer, Measurement
 
 from ..keys import dev_keypair, load_hotkey
 from ..model.engine import EngineThread, LlamaEngine

@@ -25,10 +25,10 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
+from gateway.protocol.measurement import Answer
 from neurons.model.engine import EngineThread
 from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
 from scoring.audit import AuditBands, ForcedScores, Verdict, check_ids, force, judge
-from scoring.measurement import Answer
 
 from .base import ForcingEngine
 

@@ -17,9 +17,9 @@ import json
 import math
 from typing import Any
 
+from gateway.protocol.measurement import Answer
 from gateway.protocol.sampling import SEED_MAX, SamplingParams, is_seed
 from scoring.audit import AuditBands, AuditFailure, Verdict
-from scoring.measurement import Answer
 
 AUDIT_PATH = "/v1/audit"
 KEY_ENV = "TENSORGATE_AUDIT_KEY"  # a shared bearer key, when set on both sides

@@ -7,9 +7,9 @@ import os
 
 import aiohttp
 
+from gateway.protocol.measurement import Answer
 from neurons.model.packaged import ModelUnavailable
 from scoring.audit import AuditBands, Verdict
-from scoring.measurement import Answer
 
 from .protocol import AUDIT_PATH, KEY_ENV, encode_request, verdict_from_json
 

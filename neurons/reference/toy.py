@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import random
 
+from gateway.protocol.measurement import Answer
 from neurons.model.toy import MODEL as TOY
 from scoring.audit import AuditBands, AuditFailure, Verdict, check_ids, force, judge
 from scoring.audit.verdict import CheckedIds
-from scoring.measurement import Answer
 
 
 class ToyReference:

@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from gateway.protocol.measurement import Answer
 from neurons.model.chat_template import END_OF_TURN, render
 from neurons.model.packaged import ModelUnavailable
 from scoring.audit import AuditBands, Verdict
-from scoring.measurement import Answer
 
 from .llama import replay
 

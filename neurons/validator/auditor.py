@@ -37,8 +37,8 @@ from collections import Counter, deque
 
 from loguru import logger
 
+from gateway.protocol.measurement import Measurement
 from scoring.audit import AuditBands, StrikeBook, Verdict, apply_verdict, should_audit
-from scoring.measurement import Measurement
 from scoring.store import StoredAudit
 
 from ..reference.base import Reference

@@ -28,6 +28,7 @@ from typing import Any
 
 from gateway.app import Gateway, GatewayConfig
 from gateway.http.client import MinerClient
+from gateway.protocol.measurement import MeasurementQueue, MeasurementSink
 from gateway.protocol.openai import ChatRequest
 from gateway.protocol.signing import RequestSigner
 from gateway.protocol.tokens import PromptCounter
@@ -41,7 +42,6 @@ from gateway.upstream import Upstream, UpstreamLimits, UpstreamTimeouts
 from scoring.audit import AuditBands, StrikeBook, StrikePolicy
 from scoring.audit.sequential import SequentialTest
 from scoring.credit import CreditConfig
-from scoring.measurement import MeasurementQueue, MeasurementSink
 from scoring.profiles import load_profile
 from scoring.scorer import Scorer
 

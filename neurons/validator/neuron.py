@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from loguru import logger
 
 from gateway.offers import refresh_offers
+from gateway.protocol.measurement import Measurement
 from gateway.quota import utc_day
 from gateway.router import Candidate
 from gateway.shared.measurements import MeasurementReader, decode, encode
 from gateway.shared.routing import publish, view
 from scoring.audit import StrikeBook
-from scoring.measurement import Measurement
 from scoring.store import CorruptStateError, ScoreStore
 from scoring.weights import why_empty
 

@@ -7,8 +7,9 @@ earn its way back), every organic answer that stopped before ``max_tokens`` (it 
 audit confirms the model chose to stop: :mod:`scoring.pay`), and a random ``rate`` of the organic
 rest, drawn by the caller from a private RNG.
 
-Some answers no audit can check: :func:`audit_skip` names the rule (a forced tool call, JSON mode, ``logit_bias``,
-...); they are never audited, and (:mod:`scoring.pay`) neither paid nor credited where the validator audits.
+Some answers no audit can check: :func:`gateway.protocol.auditable.audit_skip` names the rule (a forced tool call,
+JSON mode, ``logit_bias``, ...; the gateway marks them as it records them, so the rule lives in the vocabulary both
+share); they are never audited, and (:mod:`scoring.pay`) neither paid nor credited where the validator audits.
 
 A passed audit pays the tokens the reference verified (not the chunks the gateway counted), and the
 prompt is counted by the reference's tokenizer instead of the gateway's estimate (which runs ~45 %
@@ -25,10 +26,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from gateway.protocol.tools import uses_tools
-from scoring.measurement import FailureReason, Measurement
+from gateway.protocol.measurement import FailureReason, Measurement
 
 from .verdict import Verdict
 
@@ -48,33 +47,3 @@ def apply_verdict(m: Measurement, verdict: Verdict) -> Measurement:
                                    answer=None)
     return dataclasses.replace(m, ok=False, failure=FailureReason.AUDIT_FAILED, prompt_tokens=prompt, audited=True,
                                answer=None)
-
-
-def audit_skip(payload: dict[str, Any], greedy: bool, *, tools: bool = False, model: str | None = None) -> str | None:
-    """The rule by which the audit cannot check an answer to ``payload``, or None when it can.
-
-    The reference forces the answer's tokens on the subnet's chat template with the subnet's sampler, tools and
-    tool history written out in the subnet's tool format (:mod:`gateway.protocol.tools`) when ``tools`` (a
-    reference that renders them; the toy one does not). It cannot reproduce: a forced tool call
-    (``tool_choice`` ``required`` or a named function: a runtime constrains decoding to it), grammar-constrained
-    decoding (``response_format`` JSON), a ``logit_bias``, and ``top_k`` / ``min_p`` on a sampled answer (outside
-    the subnet sampler's spec; greedy is their argmax either way), nor an answer on another model than ``model``,
-    the one it runs (None: any; ``model``: a reference per model is not built). ``logprobs`` and ``n`` change no
-    token and are audited as usual.
-    """
-    if uses_tools(payload):
-        if not tools:
-            return "tools"
-        if payload.get("tool_choice") not in (None, "auto", "none"):
-            return "tool_choice"
-    if payload.get("response_format"):
-        return "response_format"
-    if payload.get("logit_bias"):
-        return "logit_bias"
-    if not greedy:
-        for name in ("top_k", "min_p"):
-            if payload.get(name):
-                return name
-    if model is not None and payload.get("model") != model:
-        return "model"
-    return None

@@ -45,8 +45,8 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
+from gateway.protocol.measurement import Answer
 from gateway.protocol.tools import parse_tool_calls, same_calls
-from scoring.measurement import Answer
 
 from .forcing import NUCLEUS_SLACK, ForcedScores
 

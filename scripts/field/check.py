@@ -32,6 +32,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gateway.metering import StreamMeter  # noqa: E402
+from gateway.protocol.measurement import Answer  # noqa: E402
 from gateway.protocol.openai import SUBNET_SAMPLER, TOOLS  # noqa: E402
 from gateway.protocol.sampling import SamplingParams  # noqa: E402
 from gateway.protocol.tools import call_text  # noqa: E402
@@ -43,7 +44,6 @@ from neurons.reference.llama import replay  # noqa: E402
 from neurons.validator.prompts import MIXES, PromptGenerator  # noqa: E402
 from scoring.audit import AuditBands  # noqa: E402
 from scoring.audit.sequential import SequentialTest  # noqa: E402
-from scoring.measurement import Answer  # noqa: E402
 
 HONEST = "honest"
 

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from engines import FIELD  # noqa: E402
 
+from gateway.protocol.measurement import Answer  # noqa: E402
 from neurons.reference.base import ForcingEngine  # noqa: E402
 from neurons.reference.llama import replay  # noqa: E402
 from neurons.reference.protocol import decode_request, encode_request  # noqa: E402
 from scoring.audit import AuditBands, Verdict  # noqa: E402
-from scoring.measurement import Answer  # noqa: E402
 
 HONEST = "honest"
 REFERENCES = ("llama.cpp", "vllm")

@@ -29,6 +29,7 @@ import aiohttp
 from bittensor.sp_core import Keypair
 from loguru import logger
 
+from gateway.protocol.measurement import Measurement, MeasurementQueue
 from gateway.router import Candidate, Router
 from gateway.upstream import UpstreamTimeouts
 from neurons.reference.toy import ToyReference
@@ -36,7 +37,6 @@ from neurons.validator.build import build_parts
 from neurons.validator.config import ValidatorConfig
 from neurons.validator.probes import ProbeRunner
 from neurons.validator.prompts import PromptGenerator
-from scoring.measurement import Measurement, MeasurementQueue
 from scoring.rounds import percentile
 from scoring.scorer import Scorer
 

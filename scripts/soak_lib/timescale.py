@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from gateway.protocol.measurement import Measurement, MeasurementSink
 from gateway.upstream import UpstreamTimeouts
 from scoring.credit import CreditConfig
-from scoring.measurement import Measurement, MeasurementSink
 
 
 def to_simulated(m: Measurement, scale: float) -> Measurement:

@@ -213,6 +213,18 @@ class SimulatedRuntime:
             return out, None
         return None, None
 
+    def _tokens(self, payload: dict[str, Any], max_tokens: int, total: int) -> tuple[list[int], bool]:
+        """The answer's ids and whether the model ended it: the toy model's draw (from the request's seed when the
+        card runs the subnet's sampler), or random words for a card with no model at all."""
+        p, rng = self.profile, self._rng
+        if p.random_words:
+            return [rng.randrange(MODEL.n) + (MODEL.n if i == 0 else 0) for i in range(total)], False
+        sampling = SamplingParams.of(payload)
+        if self.sampler != SUBNET_SAMPLER:  # a stock runtime's card: its own RNG, whatever the seed
+            sampling = dataclasses.replace(sampling, seed=None)
+        return MODEL.generate(MODEL.key(payload.get("messages")), max_tokens, sampling, rng, total=total,
+                              share=p.stop_rate)
+
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
         p = self.profile
@@ -226,14 +238,7 @@ class SimulatedRuntime:
         total = min(max_tokens, p.max_completion_tokens)
         if rng.random() < p.overlong:
             total = max_tokens + max(8, max_tokens // 4)
-        if p.random_words:
-            tokens, ended = [rng.randrange(MODEL.n) + (MODEL.n if i == 0 else 0) for i in range(total)], False
-        else:
-            sampling = SamplingParams.of(payload)
-            if self.sampler != SUBNET_SAMPLER:  # a stock runtime's card: its own RNG, whatever the seed
-                sampling = dataclasses.replace(sampling, seed=None)
-            tokens, ended = MODEL.generate(MODEL.key(payload.get("messages")), max_tokens, sampling, rng, total=total,
-                                           share=p.stop_rate)
+        tokens, ended = self._tokens(payload, max_tokens, total)
         finish = "stop" if ended else "length"
         if 0 < p.stop_after_tokens < len(tokens):
             tokens, finish = tokens[: p.stop_after_tokens], "stop"

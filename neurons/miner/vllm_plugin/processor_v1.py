@@ -11,7 +11,7 @@ same tokens (:mod:`.sampler`, checked against the spec) through the V1 interface
   ``tensorgate_seed``, it samples (temperature at least :data:`~gateway.protocol.sampling.GREEDY_BELOW`) and it
   asks for no penalty. vLLM V1 applies penalties *after* every argmax-changing processor, so on a penalised
   request the one-hot row would silently drop the client's penalty; such requests are left to vLLM's own
-  sampling (the audit checks penalised answers for structure only, :class:`scoring.measurement.Answer`).
+  sampling (the audit checks penalised answers for structure only, :class:`gateway.protocol.measurement.Answer`).
 * ``apply(logits)``: one float32 row per request in batch order, before penalties, temperature and top-k/top-p.
   A row's answer position is the length of its output-token list, which vLLM hands over by reference and keeps
   current (async scheduling's placeholders count: they stand for tokens already drawn). A row still in a chunked

@@ -116,7 +116,8 @@ class Measurement:
     slots: int = 1  # streams the miner declared it serves this validator at once, as known at dispatch
     capacity_check: bool = False  # a probe of the round's capacity check: every miner's slots filled at once
     free_draw: bool = False  # sampled, by a miner that declared no subnet sampler: plausibility only, not paid
-    skipped: str | None = None  # the rule by which no audit can check it (scoring.audit.policy.audit_skip): not paid
+    # the rule by which no audit can check it (gateway.protocol.auditable.audit_skip): not paid
+    skipped: str | None = None
     ref: str | None = field(default=None, repr=False, compare=False)  # its entry on the shared stream, to acknowledge
 
     @property
