@@ -72,7 +72,7 @@ class StreamMeter:
 
     def __init__(self, max_tokens: int, started_at: float, *, max_line_bytes: int = 64 * 1024,
                  max_content_chars: int = 4096, keep_answer: bool = False,
-                 budget: AnswerBudget | None = None, must_hold: bool = False) -> None:
+                 budget: AnswerBudget | None = None, must_hold: bool = False, timeline: bool = False) -> None:
         self.max_tokens = max_tokens
         self.started_at = started_at
         self._parser = SSEParser(max_line_bytes=max_line_bytes)
@@ -101,6 +101,9 @@ class StreamMeter:
         self.budget = budget  # set when this stream's answer is held (non-streamed, or kept for an audit)
         self.must_hold = must_hold  # the answer is useless unless held whole (non-streamed): fail when it can't be
         self.held = 0  # characters taken from the budget; given back by release()
+        # (seconds after the start, countable tokens so far) at each read that brought tokens: capacity-check
+        # streams only (a check's streams are few; scoring reads what each delivered by a common deadline)
+        self.arrivals: list[tuple[float, int]] | None = [] if timeline else None
 
     @property
     def countable_tokens(self) -> int:
@@ -128,12 +131,15 @@ class StreamMeter:
         if self.done or not data:
             return []
         out: list[ChunkInfo] = []
+        before = self.countable_tokens
         try:
             self._feed(data, now, in_flight, out)
         except MeterFailure as e:
             if not out:
                 raise
             self.pending = e
+        if self.arrivals is not None and self.countable_tokens > before:
+            self.arrivals.append((now - self.started_at, self.countable_tokens))
         return out
 
     def _feed(self, data: bytes, now: float, in_flight: int, out: list[ChunkInfo]) -> None:

@@ -32,7 +32,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.protocol.measurement import FailureReason, Measurement
-from scoring.credit import CreditConfig, aggregate_rate, on_time_credit, on_time_rate, request_credit, ttft_credit
+from scoring.credit import (
+    CreditConfig,
+    aggregate_rate,
+    decode_start_s,
+    on_time_credit,
+    on_time_rate,
+    request_credit,
+    ttft_credit,
+)
 from scoring.pay import work_s
 
 SHOWN_SPEED_MIN = 2  # requests at full decode credit (by this validator's count) that earn the load allowance
@@ -126,7 +134,44 @@ def delivered_rate(m: Measurement, cfg: CreditConfig) -> float:
     rate = on_time_rate(m, cfg)
     if rate is None:
         rate = m.completion_tokens / m.latency_s
+    by_deadline = rate_by_deadline(m, cfg)
+    if by_deadline is not None:
+        rate = min(rate, by_deadline)
     return min(rate, aggregate_rate(1, cfg))
+
+
+def check_deadline_s(m: Measurement, cfg: CreditConfig) -> float:
+    """When an honest card has decoded a check stream, seconds after dispatch: its decode clock's start
+    (:func:`scoring.credit.decode_start_s`) plus its tokens at one stream's share of an honest card's aggregate rate
+    with the check's streams on it (the miner's slots but one, at least one). The same for every stream of a check."""
+    k = max(1, (m.slots if isinstance(m.slots, int) else 1) - 1)
+    per_stream = aggregate_rate(k, cfg) / k
+    return decode_start_s(m, cfg) + max(0, m.max_tokens - 1) / per_stream
+
+
+def rate_by_deadline(m: Measurement, cfg: CreditConfig) -> float | None:
+    """What a check stream still running at its deadline (:func:`check_deadline_s`) had delivered by then, tok/s
+    from its decode clock's start; None for a stream done by then or one without its token arrivals.
+
+    Timing from the decode clock to the stream's own end lets a card serve its hotkeys in turn: one card as two
+    hotkeys, first token on time for both, decodes one hotkey's check streams and then the other's. Each stream then
+    shows the card's full rate or half of it, 1.5 cards for one (issue 38's open hole). By a common deadline the
+    second hotkey's streams have delivered their first token and little else, and the card reads as one card. A card
+    that streams at its own pace shows that pace either way."""
+    if not m.arrivals:
+        return None
+    deadline = check_deadline_s(m, cfg)
+    if m.latency_s <= deadline:
+        return None
+    start = decode_start_s(m, cfg)
+    if deadline <= start:
+        return None
+    delivered = 0
+    for t, tokens in m.arrivals:
+        if t > deadline:
+            break
+        delivered = tokens
+    return max(0, delivered - 1) / (deadline - start)
 
 
 class RoundAccumulator:

@@ -116,6 +116,35 @@ def test_a_check_served_one_hotkey_at_a_time_is_not_more_cards() -> None:
     assert both is not None and cards(both) == pytest.approx(0.5, abs=0.05)  # each of two served at once
 
 
+def _streamed(m: Measurement, *, rest_from: float | None = None, per_stream_tok_s: float = 100.0) -> Measurement:
+    """``m`` with its tokens' arrivals: the first at its TTFT, the rest at ``per_stream_tok_s`` from then on (or from
+    ``rest_from``: a stream held after its first token); its latency the last one's."""
+    assert m.ttft_s is not None
+    start = m.ttft_s if rest_from is None else rest_from
+    arrivals = ((m.ttft_s, 1), *((start + i / per_stream_tok_s, 1 + i) for i in range(1, m.completion_tokens)))
+    return dataclasses.replace(m, arrivals=arrivals, latency_s=arrivals[-1][0])
+
+
+def test_a_card_serving_its_hotkeys_in_turn_after_their_first_tokens_is_one_card() -> None:
+    """Issue 38's open hole: one card as two hotkeys sends both hotkeys' first tokens on time, then decodes one
+    hotkey's check streams and only then the other's. Timed from the decode clock to each stream's end, the first
+    read a whole card and the second half of one: 1.5 cards. By the check's common deadline (an honest card's decode
+    of the stream) the second has delivered its first token and nothing else: the two read one card together. A
+    card that streams at its own pace reads that pace either way, and a stream without arrivals is read as before."""
+    n = check_tokens(3, CFG, longest=512)
+    first = _streamed(_check("x", tokens=n))
+    held = _streamed(_check("y", tokens=n), rest_from=first.latency_s)
+    x = capacity_ratio([delivered_rate(first, CFG)] * 3, 3.0, CFG)
+    y = capacity_ratio([delivered_rate(held, CFG)] * 3, 3.0, CFG)
+    assert x is not None and y is not None
+    assert cards(x) == 1.0 and y <= 0.03, (x, y)  # a few tokens between the first's end and the deadline
+    before = capacity_ratio([delivered_rate(dataclasses.replace(held, arrivals=None), CFG)] * 3, 3.0, CFG)
+    assert before is not None and 0.45 <= before <= 0.55  # the old reading: 1 + 0.5 cards for one card
+    half = _streamed(_check("h", tokens=n, per_stream_tok_s=50.0), per_stream_tok_s=50.0)  # an honest slow card
+    slow = capacity_ratio([delivered_rate(half, CFG)] * 3, 3.0, CFG)
+    assert slow is not None and slow == pytest.approx(0.5, abs=0.03)
+
+
 def test_a_quick_first_token_is_not_more_cards() -> None:
     """Issue 38: an honest card whose first token comes at 50 ms read as 3.6 cards at 64 tokens (its decode timed from
     the TTFT band's edge). At the GPU mix's check length it reads one card, like the same card at 450 ms, while two

@@ -193,3 +193,17 @@ def test_answers_held_at_once_share_one_budget() -> None:
     budget.take(budget.max_chars - 10)
     kept.feed(_content("z" * 20), now=0.2)
     assert not kept.keep_answer and kept.text == [] and kept.tokens == 1 and budget.held == budget.max_chars - 10
+
+
+def test_a_check_streams_arrivals_are_its_reads_that_brought_tokens() -> None:
+    """A capacity-check stream keeps when its tokens came (seconds after the start, tokens so far), for the check's
+    common deadline; a read without tokens adds none, and other streams keep nothing."""
+    m = StreamMeter(max_tokens=8, started_at=100.0, timeline=True)
+    m.feed(ROLE, now=100.1)
+    m.feed(tok_ids("a", [1]), now=100.4)
+    m.feed(tok_ids("b c", [2, 3]), now=101.0)
+    m.feed(FINISH + DONE, now=101.2)
+    assert m.arrivals == [(pytest.approx(0.4), 1), (pytest.approx(1.0), 3)]
+    plain = StreamMeter(max_tokens=8, started_at=0.0)
+    plain.feed(tok_ids("a", [1]), now=0.2)
+    assert plain.arrivals is None

@@ -359,6 +359,8 @@ async def test_relay_waits_for_room_when_other_processes_fill_every_slot(links: 
             model = None
             needs: frozenset[str] = frozenset()
             sampled = False
+            max_tokens = 64
+            prompt_tokens = 10
 
         loop = asyncio.get_running_loop()
         assert await relay._acquire(Req(), set(), loop.time() + 0.3) is None  # type: ignore[arg-type]

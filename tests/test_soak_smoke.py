@@ -11,6 +11,7 @@ The pure pieces (time-scale equivalence, the deterministic router) are checked i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -128,6 +129,16 @@ def test_time_scaling_before_credit_equals_scaled_bands() -> None:
         b = request_credit(m, scaled_credit_config(cfg, scale))
         assert a is not None and b is not None
         assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9), (m, scale, a, b)
+
+
+def test_time_scaling_scales_a_check_streams_arrivals_too() -> None:
+    """The check's common deadline reads the token arrivals against the decode clock: both in simulated seconds
+    (scaled as measured, a held stream's tokens all read as on time, and the stalling sibling read 0.4 of a card)."""
+    m = Measurement(uid=1, hotkey="hk", in_flight=0, prompt_tokens=10, max_tokens=3, ttft_s=0.1, latency_s=0.5,
+                    completion_tokens=3, ok=True, capacity_check=True, arrivals=((0.1, 1), (0.5, 3)))
+    sim = to_simulated(m, 5.0)
+    assert sim.arrivals == ((0.5, 1), (2.5, 3)) and sim.latency_s == 2.5
+    assert to_simulated(dataclasses.replace(m, arrivals=None), 5.0).arrivals is None
 
 
 def test_the_adversarial_full_run_is_at_half_the_default_time_scale_unless_asked_otherwise() -> None:

@@ -115,6 +115,9 @@ class Measurement:
     finish_reason: str | None = None  # the miner's, for complete answers: "stop" before max_tokens is an early stop
     slots: int = 1  # streams the miner declared it serves this validator at once, as known at dispatch
     capacity_check: bool = False  # a probe of the round's capacity check: every miner's slots filled at once
+    # A capacity-check stream's tokens as they came: (seconds after dispatch, tokens so far) at each read that
+    # brought some. What was delivered by a common deadline is read from it (scoring.rounds.delivered_rate).
+    arrivals: tuple[tuple[float, int], ...] | None = field(default=None, repr=False)
     free_draw: bool = False  # sampled, by a miner that declared no subnet sampler: plausibility only, not paid
     # the rule by which no audit can check it (gateway.protocol.auditable.audit_skip): not paid
     skipped: str | None = None

@@ -36,6 +36,7 @@ def measurement_of(s: UpstreamStream, failure: FailureReason | None, latency_s: 
         finish_reason=meter.finish_reason if failure is None else None,
         slots=s.lease.slots_at_dispatch,
         capacity_check=s.capacity_check,
+        arrivals=tuple(meter.arrivals) if meter.arrivals else None,
         free_draw=not s.sampling.greedy and s.sampling.seed is None,
         skipped=s.skipped,
     )

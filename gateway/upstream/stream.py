@@ -71,7 +71,8 @@ class UpstreamStream:
         keep = limits.keep_answers and self.skipped is None  # an answer no audit can check is not kept for one
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,
                                  max_content_chars=limits.max_content_chars, keep_answer=keep,
-                                 budget=upstream.answers if held or keep else None, must_hold=held)
+                                 budget=upstream.answers if held or keep else None, must_hold=held,
+                                 timeline=capacity_check)
         self._resp: aiohttp.ClientResponse | None = None
         self._deadline = StreamDeadline(self._loop, self.t0, timeouts, self.meter, expire=self._cut)
         self.measurement: Measurement | None = None

@@ -38,6 +38,12 @@ Issue 38's:
   than one card for one where serving both at once reads 0.5 + 0.5 (measured 1.0 + 0.11 cards, until a check
   stream whose first token came after the TTFT band's zero counted 0).
 
+* ``stall-second``: the same with the first token on time: each capacity-check stream's first token at once, the
+  rest only once the card is idle (then at the card's own pace), so the sibling's check streams run alone. Timed
+  from the decode clock to each stream's end it read 1.5 cards for one (by arithmetic, issue 38's open hole); by
+  the check's common deadline (:func:`scoring.rounds.rate_by_deadline`) the held streams deliver their first token.
+  The held streams are not on the simulated card while they wait (a real runtime would not schedule them either).
+
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
 
@@ -65,7 +71,7 @@ from neurons.model.toy import MODEL as TOY
 from .load import CardRuntime
 
 CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer", "hold-check", "hold-check-429",
-          "slot-liar", "burst", "cycler", "too-long-when-busy", "check-second")
+          "slot-liar", "burst", "cycler", "too-long-when-busy", "check-second", "stall-second")
 PROBE_MARK = "\u2063"  # an invisible separator before a probe's prompt: the oracle (ProbeOracle)
 CHECK_MARK = PROBE_MARK * 2  # ... two before a capacity-check stream's
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
@@ -88,6 +94,7 @@ class CheatRuntime:
         self.features = card.features
         self.sampler = card.sampler  # a cheat declares the subnet's sampler: its answers are paid if they pass
         self.refused = 0
+        self._stalled = 0  # stall-second: check streams holding their decode until the card is idle
 
     @property
     def active(self) -> int:
@@ -137,6 +144,11 @@ class CheatRuntime:
         elif cheat == "check-second":
             if self.is_check(payload):
                 await self._card_idle()
+        elif cheat == "stall-second":
+            if self.is_check(payload):
+                async for part in self._stalled_answer(payload):
+                    yield part
+                return
         elif cheat == "cycler":
             if not self.is_probe(payload):  # junk for users: another prompt's answer, at the card's own speed
                 payload = {**payload, "messages": [{"role": "user", "content": "something else entirely"}]}
@@ -155,6 +167,27 @@ class CheatRuntime:
             if self.card.active == 0:
                 return
             await asyncio.sleep(step)
+
+    async def _stalled_answer(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+        """The model's own answer (its seeded draw, which passes the audit): the first token at once, the rest once
+        the card is idle, at the card's aggregate rate shared by the streams that waited."""
+        f = ChunkFramer("chatcmpl-stall", int(time.time()), str(payload.get("model", "m")))
+        n = payload.get("max_tokens")
+        n = n if isinstance(n, int) and n > 0 else 16
+        ids, ended = TOY.generate(TOY.key(payload.get("messages")), n, SamplingParams.of(payload), random.Random(0))
+        scale, profile = self.card.scale, self.card.profile
+        await asyncio.sleep(0.1 / scale)  # a short prompt's prefill
+        yield frame(f.chunk({"role": "assistant"}, None)) + f.tokens(TOY.piece(ids[0]).decode(), [ids[0]])
+        self._stalled += 1
+        try:
+            await self._card_idle()
+            per_token = self._stalled / profile.aggregate_tok_s / scale
+            for t in ids[1:]:
+                await asyncio.sleep(per_token)
+                yield f.tokens(TOY.piece(t).decode(), [t])
+        finally:
+            self._stalled -= 1
+        yield frame(f.chunk({}, "stop" if ended else "length")) + DONE_FRAME
 
     async def _held(self, payload: dict[str, Any]) -> bytes:
         """The card's real answer, computed in full and held: all of it in one write at the end."""

@@ -37,7 +37,8 @@ from scoring.credit import CreditConfig
 def to_simulated(m: Measurement, scale: float) -> Measurement:
     """The measurement as the scorer must see it: real seconds times ``scale``."""
     ttft = None if m.ttft_s is None else m.ttft_s * scale
-    return dataclasses.replace(m, ttft_s=ttft, latency_s=m.latency_s * scale)
+    arrivals = None if m.arrivals is None else tuple((t * scale, n) for t, n in m.arrivals)
+    return dataclasses.replace(m, ttft_s=ttft, latency_s=m.latency_s * scale, arrivals=arrivals)
 
 
 class TimeScaledSink:
