@@ -66,7 +66,7 @@ from .protocol.openai import (
 )
 from .protocol.request_id import request_id
 from .protocol.tokens import PromptCounter
-from .quota import KeyPolicy, QuotaBook, Refusal, Ticket
+from .quota import KeyPolicy, QuotaBook, Refusal, Ticket, ratelimit_headers
 from .relay import Relay, RelayConfig
 from .router import Router
 from .upstream import Upstream, UpstreamTimeouts
@@ -489,8 +489,10 @@ class Gateway:
         ticket = (self.quota.admit(policy, reserve, time.time(), streams=req.n) if shared is None
                   else await shared.admit(policy, reserve, streams=req.n))
         if isinstance(ticket, Refusal):
-            raise rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
+            err = rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
                                ticket.retry_after_s)
+            err.headers.update(ratelimit_headers(policy, ticket.standing))
+            raise err
         if self.on_request is not None:
             try:
                 self.on_request(req)
@@ -507,7 +509,8 @@ class Gateway:
                 except Exception as e:
                     logger.error("could not save API key {!r}'s usage before serving it: {}", policy.name, e)
             await self.admission.admit(policy.name)  # every slot busy: a short wait, fair across keys, or the 429
-            used = prompt_tokens + await self.relay.serve(req, _saying_cap(send, req))
+            used = prompt_tokens + await self.relay.serve(req, _with_headers(send, req, ratelimit_headers(
+                policy, ticket.standing)))
         except GatewayError:
             used = 0  # no miner answered: nothing was served
             raise
@@ -526,18 +529,21 @@ def _model_object(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "tensorgate"}
 
 
-def _saying_cap(send: Send, req: ChatRequest) -> Send:
-    """``send`` that adds ``X-Max-Tokens-Capped: <cap>`` to the answer when the client asked for more tokens than
-    the gateway serves (``GatewayConfig.max_tokens_cap``): served at the cap, and said so, not silently."""
-    if req.max_tokens_asked is None:
+def _with_headers(send: Send, req: ChatRequest, limits: dict[str, str]) -> Send:
+    """``send`` that adds to the answer's head the key's ``x-ratelimit-*`` headers (``limits``) and
+    ``X-Max-Tokens-Capped: <cap>`` when the client asked for more tokens than the gateway serves
+    (``GatewayConfig.max_tokens_cap``): served at the cap, and said so, not silently."""
+    extra = [(k.encode("ascii"), v.encode("ascii")) for k, v in limits.items()]
+    if req.max_tokens_asked is not None:
+        extra.append((b"x-max-tokens-capped", str(req.max_tokens).encode("ascii")))
+    if not extra:
         return send
-    header = (b"x-max-tokens-capped", str(req.max_tokens).encode("ascii"))
 
-    async def capped(message: Message) -> None:
+    async def adding(message: Message) -> None:
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), header]}
+            message = {**message, "headers": [*message.get("headers", ()), *extra]}
         await send(message)
-    return capped
+    return adding
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -50,12 +50,52 @@ class KeyPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class Standing:
+    """A key's minute windows as an admission left them: what the ``x-ratelimit-*`` headers say (OpenAI's names),
+    so a client can pace itself before it meets a 429. None: not known (a refusal by another limit, say)."""
+
+    requests: int | None = None  # requests in the last minute, this one included
+    tokens: int | None = None  # tokens charged in the last minute, this one's reservation included
+    requests_reset_s: float = MINUTE_S  # until the oldest of those requests leaves the minute (one more fits)
+    tokens_reset_s: float = MINUTE_S  # until the oldest of those tokens leave it
+
+
+def duration(seconds: float) -> str:
+    """A wait as OpenAI writes it in ``x-ratelimit-reset-*``: ``20ms``, ``1.5s``, ``6m0s``."""
+    s = max(0.0, seconds)
+    if s < 1.0:
+        return f"{int(s * 1000)}ms"
+    if s < MINUTE_S:
+        return f"{round(s, 3):g}s"
+    return f"{int(s // MINUTE_S)}m{round(s % MINUTE_S, 3):g}s"
+
+
+def ratelimit_headers(policy: KeyPolicy, standing: Standing | None) -> dict[str, str]:
+    """The ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` headers of a key with a per-minute limit, as
+    OpenAI sends them on every response (a 429 included); none for a limit the key does not have or a figure not
+    known. Remaining tokens count reservations (the most each admitted request may use), as the limit does."""
+    out: dict[str, str] = {}
+    if standing is None:
+        return out
+    if policy.rpm is not None and standing.requests is not None:
+        out["x-ratelimit-limit-requests"] = str(policy.rpm)
+        out["x-ratelimit-remaining-requests"] = str(max(0, policy.rpm - standing.requests))
+        out["x-ratelimit-reset-requests"] = duration(standing.requests_reset_s)
+    if policy.tpm is not None and standing.tokens is not None:
+        out["x-ratelimit-limit-tokens"] = str(policy.tpm)
+        out["x-ratelimit-remaining-tokens"] = str(max(0, policy.tpm - standing.tokens))
+        out["x-ratelimit-reset-tokens"] = duration(standing.tokens_reset_s)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class Refusal:
     """Why a request was refused and when a retry can succeed."""
 
     limit: str  # "requests per minute" | "tokens per minute" | "tokens per day" | "concurrent streams"
     retry_after_s: float
     detail: str
+    standing: Standing | None = None  # the key's minute windows, where known (the x-ratelimit-* headers)
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +109,7 @@ class Ticket:
     charge: list[float]  # its [at, tokens] entry in the key's minute window, corrected when it settles
     settled: bool = False
     streams: int = 1  # the key's concurrent streams it holds (a request for n answers holds n)
+    standing: Standing | None = None  # the key's minute windows with this request in them
 
 
 def stream_detail(in_flight: int, asked: int, limit: int) -> str:
@@ -123,23 +164,26 @@ class QuotaBook:
         u = self._of(policy.name, now)
         reserve = max(0, int(reserve))
         streams = max(1, int(streams))
+        standing = self._standing(u, now)
         if policy.streams is not None and u.in_flight + streams > policy.streams:
-            return Refusal("concurrent streams", 1.0, stream_detail(u.in_flight, streams, policy.streams))
+            return Refusal("concurrent streams", 1.0, stream_detail(u.in_flight, streams, policy.streams), standing)
         if policy.rpm is not None and len(u.minute_requests) >= policy.rpm:
             wait = u.minute_requests[0] + MINUTE_S - now
-            return Refusal("requests per minute", wait, f"{len(u.minute_requests)} of {policy.rpm} in the last minute")
+            return Refusal("requests per minute", wait, f"{len(u.minute_requests)} of {policy.rpm} in the last minute",
+                           standing)
         if policy.tpm is not None:
             if reserve > policy.tpm:
                 return Refusal("tokens per minute", MINUTE_S,
-                               f"this request may use {reserve} tokens, more than the {policy.tpm} a minute allows")
+                               f"this request may use {reserve} tokens, more than the {policy.tpm} a minute allows",
+                               standing)
             if u.minute_sum + reserve > policy.tpm:
                 return Refusal("tokens per minute", self._tokens_free_in(u, policy.tpm - reserve, now),
                                f"{u.minute_sum} of {policy.tpm} used in the last minute, this request may use "
-                               f"{reserve}")
+                               f"{reserve}", standing)
         if policy.tpd is not None and u.tokens + reserve > policy.tpd:
             wait = (math.floor(now / DAY_S) + 1) * DAY_S - now
             return Refusal("tokens per day", wait, f"{u.tokens} of {policy.tpd} used today (UTC), this request may "
-                                                   f"use {reserve}")
+                                                   f"use {reserve}", standing)
         u.in_flight += streams
         u.requests += 1
         u.tokens += reserve
@@ -147,7 +191,13 @@ class QuotaBook:
         charge = [now, float(reserve)]
         u.minute_tokens.append(charge)
         u.minute_sum += reserve
-        return Ticket(policy.name, reserve, now, u.day, charge, streams=streams)
+        return Ticket(policy.name, reserve, now, u.day, charge, streams=streams, standing=self._standing(u, now))
+
+    @staticmethod
+    def _standing(u: KeyUsage, now: float) -> Standing:
+        return Standing(requests=len(u.minute_requests), tokens=u.minute_sum,
+                        requests_reset_s=u.minute_requests[0] + MINUTE_S - now if u.minute_requests else 0.0,
+                        tokens_reset_s=u.minute_tokens[0][0] + MINUTE_S - now if u.minute_tokens else 0.0)
 
     @staticmethod
     def _tokens_free_in(u: KeyUsage, room: int, now: float) -> float:

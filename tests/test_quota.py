@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.auth import ApiKeyAuth, KeysFileError, default_name, load_keys, parse_keys_text
-from gateway.quota import KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
+from gateway.quota import KeyPolicy, QuotaBook, Refusal, Standing, Ticket, duration, ratelimit_headers, utc_day
 
 T0 = 1_796_256_000.0  # 2026-12-03 00:00:00 UTC
 
@@ -249,3 +249,54 @@ def test_a_request_for_n_answers_holds_n_of_the_keys_streams() -> None:
     assert isinstance(single, Ticket)  # 3 + 1 fits
     book.settle(held, 5, 1.0)
     assert isinstance(book.admit(four, 10, 1.0, streams=3), Ticket)  # its 3 streams came back at settle
+
+
+def test_ratelimit_headers_say_where_the_key_stands_as_openai_writes_them() -> None:
+    book = QuotaBook()
+    p = KeyPolicy("k", rpm=3, tpm=1000, streams=4)
+    first = book.admit(p, 300, T0)
+    second = book.admit(p, 200, T0 + 15)
+    assert isinstance(first, Ticket) and isinstance(second, Ticket)
+    assert ratelimit_headers(p, second.standing) == {
+        "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "1", "x-ratelimit-reset-requests": "45s",
+        "x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "500", "x-ratelimit-reset-tokens": "45s"}
+    book.admit(p, 100, T0 + 16)
+    refused = book.admit(p, 100, T0 + 30)  # the fourth request of the minute
+    assert isinstance(refused, Refusal)
+    assert ratelimit_headers(p, refused.standing)["x-ratelimit-remaining-requests"] == "0"
+    assert ratelimit_headers(KeyPolicy("daily", tpd=10), second.standing) == {}  # no per-minute limit: none
+    assert ratelimit_headers(p, None) == {}
+    assert ratelimit_headers(p, Standing(tokens=1200)) == {  # what is not known is not said
+        "x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": "1m0s"}
+    assert [duration(s) for s in (0.02, 1.5, 45.0, 360.0, -1.0)] == ["20ms", "1.5s", "45s", "6m0s", "0ms"]
+
+
+async def test_the_sdk_reads_a_limited_keys_ratelimit_headers_on_answers_and_on_its_429(make_miner, make_gateway,
+                                                                                        tmp_path: Path) -> None:
+    """Issue 41: a 429 had ``Retry-After`` and no ``x-ratelimit-*``; every response of a limited key has them now,
+    as OpenAI sends them, read here through the official SDK (its raw response, and its RateLimitError)."""
+    import openai
+
+    from tests.fakes import MODEL
+
+    _, h = await _gateway_with_key(make_miner, make_gateway, tmp_path, "sk-paced name=paced rpm=2 tpm=100000")
+    client = openai.AsyncOpenAI(base_url=h.base_url + "/v1", api_key="sk-paced", max_retries=0)
+    try:
+        left = []
+        for _ in range(2):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            raw.parse()
+            assert raw.headers["x-ratelimit-limit-requests"] == "2"
+            assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
+            assert int(raw.headers["x-ratelimit-remaining-tokens"]) < 100000
+            assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
+            left.append(raw.headers["x-ratelimit-remaining-requests"])
+        assert left == ["1", "0"]
+        with pytest.raises(openai.RateLimitError) as e:
+            await client.chat.completions.create(model=MODEL, max_tokens=4,
+                                                 messages=[{"role": "user", "content": "hi"}])
+        assert e.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
+    finally:
+        await client.close()

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.protocol.measurement import Answer, FailureReason, Measurement
 from gateway.protocol.sampling import SamplingParams
-from gateway.quota import KeyPolicy, QuotaBook, Refusal, Ticket, utc_day
+from gateway.quota import KeyPolicy, QuotaBook, Refusal, Ticket, ratelimit_headers, utc_day
 from gateway.router import Candidate, Router
 from gateway.shared.leases import SharedLeases
 from gateway.shared.limits import SharedLimits, SharedTicket
@@ -141,6 +141,11 @@ async def test_key_limits_hold_across_processes(links: Links) -> None:
     refused = [g for g in got if isinstance(g, Refusal)]
     assert len(admitted) == 6 and len(refused) == 2
     assert refused[0].limit == "requests per minute" and 1 <= refused[0].retry_after_s <= 60
+    # where the key stands over every process, for the x-ratelimit-* headers: the sixth left none of six
+    assert [t.standing.requests for t in admitted if t.standing is not None] == [1, 2, 3, 4, 5, 6]
+    assert admitted[-1].standing is not None and 0 < admitted[-1].standing.requests_reset_s <= 60
+    assert ratelimit_headers(policy, admitted[-1].standing)["x-ratelimit-remaining-requests"] == "0"
+    assert refused[0].standing is not None and refused[0].standing.requests == 6
     streams = KeyPolicy("bob", streams=2)
     t1, t2 = await a.admit(streams, 1), await b.admit(streams, 1)
     assert isinstance(t1, SharedTicket) and isinstance(t2, SharedTicket)

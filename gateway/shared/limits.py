@@ -37,14 +37,14 @@ from typing import Any
 
 from loguru import logger
 
-from ..quota import DAY_S, KeyPolicy, QuotaBook, Refusal, Ticket, stream_detail, utc_day
+from ..quota import DAY_S, KeyPolicy, QuotaBook, Refusal, Standing, Ticket, stream_detail, utc_day
 from .link import NOW_MS, RENEW, RedisError, RedisLink, interrupted, woken
 
 # KEYS: streams zset, rpm hash, tpm hash, day hash. ARGV: streams, rpm, tpm, tpd (-1: none), reserve, ticket, ttl ms,
 # streams this request holds (its n: members ticket#1..ticket#n).
-# Returns {0, second, 0, requests this minute, tokens this minute, tokens today} when admitted (the key's use with
-# this request, summed over every process); {code, figure, wait s} when not (1 streams, 2 rpm, 3 tpm, 4 tpd, 5 too
-# big).
+# Returns {0, second, 0, requests this minute, tokens this minute, tokens today, oldest request's second, oldest
+# tokens' second} when admitted (the key's use with this request, summed over every process); {code, figure, wait s}
+# when not (1 streams, 2 rpm, 3 tpm, 4 tpd, 5 too big).
 _ADMIT = NOW_MS + """
 local sec = tonumber(t[1])
 local streams, rpm, tpm, tpd = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -91,7 +91,8 @@ redis.call('EXPIRE', KEYS[3], 120)
 redis.call('HINCRBY', KEYS[4], 'requests', 1)
 redis.call('HINCRBY', KEYS[4], 'tokens', reserve)
 redis.call('EXPIRE', KEYS[4], 172800)
-return {0, sec, 0, rsum + 1, tsum + reserve, used + reserve}
+local r0, t0 = rent[1] and rent[1][1] or sec, tent[1] and tent[1][1] or sec
+return {0, sec, 0, rsum + 1, tsum + reserve, used + reserve, r0, t0}
 """
 
 # KEYS: streams zset, tpm hash, day hash. ARGV: admitted second, delta tokens, then the ticket's stream members.
@@ -128,6 +129,7 @@ class SharedTicket:
     token: str
     streams: int  # the key's concurrent streams it holds (members token#1..token#n; 0 for a key without the limit)
     settled: bool = False
+    standing: Standing | None = None  # the key's minute windows over every process, this request in them
 
     def members(self) -> list[str]:
         return [f"{self.token}#{i}" for i in range(1, self.streams + 1)]
@@ -208,10 +210,14 @@ class SharedLimits:
             return self.local.admit(self.local_share(policy, now), reserve, now, streams=streams)
         self.link.worked()
         if code == 0:
-            if len(use) == 3:
+            standing = None
+            if len(use) >= 3:
                 self._seen[policy.name] = (now, day, use[0], use[1], use[2])
+            if len(use) == 5:  # the oldest request's and tokens' seconds: when each window next gives room
+                standing = Standing(requests=use[0], tokens=use[1], requests_reset_s=float(use[3] + 60 - figure),
+                                    tokens_reset_s=float(use[4] + 60 - figure))
             ticket = SharedTicket(policy.name, reserve, figure, day, token,
-                                  streams=streams if policy.streams is not None else 0)
+                                  streams=streams if policy.streams is not None else 0, standing=standing)
             if ticket.streams:
                 self._live[token] = ticket
             return ticket
@@ -283,15 +289,18 @@ class SharedLimits:
 def _refusal(code: int, figure: int, wait: int, policy: KeyPolicy, reserve: int, now: float,
              streams: int = 1) -> Refusal:
     limit = _LIMITS.get(code, "requests per minute")
+    standing: Standing | None = None  # what the refusing limit's figure says of its window (the others: unknown)
     if code == 1:
         detail = stream_detail(figure, streams, policy.streams or 0)
     elif code == 2:
         detail = f"{figure} of {policy.rpm} in the last minute"
+        standing = Standing(requests=figure, requests_reset_s=float(wait))
     elif code == 5:
         detail = f"this request may use {reserve} tokens, more than the {policy.tpm} a minute allows"
     elif code == 3:
         detail = f"{figure} of {policy.tpm} used in the last minute, this request may use {reserve}"
+        standing = Standing(tokens=figure, tokens_reset_s=float(wait))
     else:
         detail = f"{figure} of {policy.tpd} used today (UTC), this request may use {reserve}"
         wait = math.ceil((math.floor(now / DAY_S) + 1) * DAY_S - now)
-    return Refusal(limit, float(max(1, wait)), detail)
+    return Refusal(limit, float(max(1, wait)), detail, standing)
