@@ -170,13 +170,17 @@ async def test_one_card_as_four_hotkeys_routes_as_one_card(make_sim_miner, make_
     shared = [first] + [await make_sim_miner(slots=4, tag=f"s{i}", runtime=first.server.runtime) for i in (1, 2, 3)]
     h = await make_gateway([honest, *shared], seed=1)
     probes = ProbeRunner(h.router, h.upstream.probe, PromptGenerator(random.Random(2)), "m", random.Random(3))
+    assert probes.check_capacity() == 0  # no miner has answered yet: slots unknown, connections cold
+    await asyncio.gather(*(probes.probe_once(m.uid) for m in h.router.miners()))
+    assert probes.answered == {m.hotkey for m in (honest, *shared)}
+    baseline = len(h.measurements())
     sent = probes.check_capacity()
     assert sent == 5 * 3  # every miner's slots but one, all at once
     for _ in range(200):
         if h.router.total_in_flight() == 0:
             break
         await asyncio.sleep(0.05)
-    measured = h.measurements()
+    measured = h.measurements()[baseline:]
     assert len(measured) == sent and all(m.capacity_check and m.ok for m in measured)
     least = check_tokens(3, CFG, longest=max(MIXES["gpu"].max_tokens))
     assert all(m.max_tokens >= least == 251 for m in measured)  # ordinary shapes, long enough to time

@@ -78,6 +78,10 @@ class ProbeRunner:
         self.sent = 0
         self.skipped = 0
         self.capacity_streams = 0
+        # Hotkeys whose probes have delivered content: only they take a capacity check. Before its first answer a
+        # miner's slots are not known and the connection to it is cold: at a soak's first check the honest cards'
+        # first tokens came after the TTFT band's zero (connect and first-request costs) and read 0 cards.
+        self.answered: set[str] = set()
 
     async def run_round(self, per_miner: int, round_s: float) -> None:
         """Fire this round's plan, then return at the round's end.
@@ -100,7 +104,7 @@ class ProbeRunner:
             if uid is None:
                 self.check_capacity()
                 continue
-            self._spawn(self._one(uid), f"probe-{uid}")
+            self._spawn(self.probe_once(uid), f"probe-{uid}")
         left = start + round_s - loop.time()
         if left > 0:
             await asyncio.sleep(left)
@@ -109,7 +113,11 @@ class ProbeRunner:
         """Fill every miner's free declared slots but one with probes, all started now; returns how many."""
         sent = 0
         longest = max(self._prompts.mix.max_tokens)
-        for m in self._router.miners():
+        miners = self._router.miners()
+        self.answered &= {m.hotkey for m in miners}  # hotkeys that left are forgotten
+        for m in miners:
+            if m.hotkey not in self.answered:
+                continue
             busy = m.in_flight + m.elsewhere  # every gateway process's streams
             streams = max(1 if busy == 0 else 0, m.slots - busy - 1)
             least = check_tokens(busy + streams, self._credit, longest=longest)
@@ -149,7 +157,8 @@ class ProbeRunner:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _one(self, uid: int) -> None:
+    async def probe_once(self, uid: int) -> None:
+        """One ordinary probe to ``uid`` (the round's plan sends them)."""
         lease = self._router.acquire_uid(uid)
         if lease is None:  # the miner left the metagraph since the plan was made
             self.skipped += 1
@@ -163,6 +172,8 @@ class ProbeRunner:
                 return
             self.sent += 1
             await self._probe(lease, payload, capacity_check=capacity_check)
+            if lease.delivering:
+                self.answered.add(lease.miner.hotkey)
         except asyncio.CancelledError:
             raise
         except Exception:
