@@ -14,9 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -109,3 +115,29 @@ async def eventually(cond: Callable[[], bool], within_s: float = 5.0) -> bool:
             return False
         await asyncio.sleep(0.01)
     return True
+
+
+BANNER = re.compile(r"gateway: (http://\S+)/v1\s+\(API key: (\S+)\)")
+
+
+def start_local_job(args: list[str], cwd: Path, *, within_s: float = 90.0
+                    ) -> tuple[subprocess.Popen[str], str, str, list[str]]:
+    """``python -m neurons.validator`` with ``args`` as a child process, read until its banner names the gateway's
+    URL and API key: (the process, the URL, the key, the stderr lines read so far). The caller stops the process."""
+    proc = subprocess.Popen([sys.executable, "-m", "neurons.validator", *args], cwd=cwd,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    assert proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = BANNER.search(line)
+        if m:
+            return proc, m.group(1), m.group(2), lines
+    proc.kill()
+    proc.wait()
+    raise AssertionError("no banner from the local job:\n" + "".join(lines[-20:]))

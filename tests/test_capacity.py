@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 
@@ -195,3 +196,27 @@ async def test_one_card_as_four_hotkeys_routes_as_one_card(make_sim_miner, make_
     shares = [scorer.capacity.multiplier(m.hotkey) for m in shared]
     assert all(0.15 < s < 0.4 for s in shares), shares  # 12 streams on one card: ~0.25 each
     assert sum(shares) < 1.3
+
+
+async def test_capacity_checks_start_in_the_second_round() -> None:
+    """In the first round one hotkey of a card may have answered and its sibling not yet: the first was checked alone
+    and read a whole card (0.83 of one in the soak). The first round's probes warm every miner; checks follow."""
+    from gateway.router import Candidate, Router
+
+    router = Router(rng=random.Random(1))
+    router.sync([Candidate(uid=1, hotkey="a", endpoint="127.0.0.1:1")])
+
+    async def probe(lease: Any, payload: dict[str, Any], *, capacity_check: bool = False) -> None:
+        return None
+
+    runner = ProbeRunner(router, probe, PromptGenerator(random.Random(2)), "m", random.Random(3))
+    checks: list[int] = []
+
+    def check() -> int:
+        checks.append(runner.rounds)
+        return 0
+    runner.check_capacity = check  # type: ignore[method-assign]
+    await runner.run_round(1, 0.05)
+    assert checks == []
+    await runner.run_round(1, 0.05)
+    assert checks == [2, 2]

@@ -13,11 +13,12 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
+
+from tests.fakes import start_local_job
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs" / "pages").glob("*.md"))]
@@ -152,29 +153,16 @@ def test_quick_start_commands_are_what_ci_runs_or_run_here(tmp_path: Path) -> No
 def _run_local(argv: list[str], state: Path, clients: list[str]) -> None:
     """The main job as the README gives it, on a free port and a state folder of the test's, for one round; each
     client snippet is run against its gateway (the banner's URL and key) while it serves."""
-    cmd = [sys.executable, *argv, "--gateway.port", "0", "--state-dir", str(state), "--local.rounds", "1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
-    lines: list[str] = []
+    assert argv[:2] == ["-m", "neurons.validator"], argv
+    proc, url, key, lines = start_local_job([*argv[2:], "--gateway.port", "0", "--state-dir", str(state),
+                                             "--local.rounds", "1"], REPO)
     try:
-        assert proc.stderr is not None
-        deadline = time.monotonic() + 90
-        url = key = None
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"gateway: (http://\S+)/v1\s+\(API key: (\S+)\)", line)
-            if m:
-                url, key = m.group(1), m.group(2)
-        assert url and key, "".join(lines[-20:])
         for snippet in clients:
             code = snippet.replace("http://127.0.0.1:8000/v1", f"{url}/v1").replace("<key from the banner>", key)
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0 and done.stdout.strip(), done.stdout + done.stderr
-        rest, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, "".join(lines[-20:]) + rest[-3000:]
+        _, rest = proc.communicate(timeout=180)
+        assert proc.returncode == 0, "".join(lines[-20:]) + (rest or "")[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()

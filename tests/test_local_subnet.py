@@ -92,34 +92,16 @@ async def test_restart_restores_routing_without_settling(finished_run: Path) -> 
 
 def test_sigterm_lets_a_stream_in_progress_finish_and_exits_0(tmp_path: Path) -> None:
     """What systemd/docker send: the stream in flight ends with [DONE], not a cut, and the exit is clean."""
-    import os
-    import re
     import signal
-    import subprocess
-    import sys
     import threading
-    import time
     import urllib.request
 
+    from tests.fakes import start_local_job
+
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "neurons.validator", "--local", "--gateway.port", "0", "--state-dir",
-           str(tmp_path), "--local.traffic-rps", "0", "--local.block-time", "0.25"]
-    proc = subprocess.Popen(cmd, cwd=repo, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
-    lines: list[str] = []
+    proc, url, key, lines = start_local_job(["--local", "--gateway.port", "0", "--state-dir", str(tmp_path),
+                                             "--local.traffic-rps", "0", "--local.block-time", "0.25"], repo)
     try:
-        assert proc.stderr is not None
-        deadline = time.monotonic() + 60
-        url = key = None
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = re.search(r"gateway: (http://\S+)/v1\s+\(API key: (\S+)\)", line)
-            if m:
-                url, key = m.group(1), m.group(2)
-        assert url and key, "".join(lines[-20:])
         reader = threading.Thread(target=lambda: lines.extend(proc.stderr or []), daemon=True)
         reader.start()
         req = urllib.request.Request(url + "/v1/chat/completions", method="POST", headers={

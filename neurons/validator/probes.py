@@ -82,6 +82,9 @@ class ProbeRunner:
         # miner's slots are not known and the connection to it is cold: at a soak's first check the honest cards'
         # first tokens came after the TTFT band's zero (connect and first-request costs) and read 0 cards.
         self.answered: set[str] = set()
+        # Checks start in the second round: in the first, one hotkey of a card may have answered and its sibling not
+        # yet, so the first was checked alone and read a whole card (0.83 of one for a sibling in the soak).
+        self.rounds = 0
 
     async def run_round(self, per_miner: int, round_s: float) -> None:
         """Fire this round's plan, then return at the round's end.
@@ -91,7 +94,8 @@ class ProbeRunner:
         """
         uids = [m.uid for m in self._router.miners()]
         plan: list[tuple[float, int | None]] = list(plan_round(uids, per_miner, round_s, self._rng))
-        if self.capacity_check and uids:
+        self.rounds += 1
+        if self.capacity_check and uids and self.rounds > 1:
             for _ in range(CAPACITY_CHECKS):
                 plan.append((self._rng.uniform(0.0, round_s * 0.6), None))  # None: a capacity check
             plan.sort(key=lambda x: x[0])
