@@ -131,7 +131,7 @@ class StreamMeter:
         if self.done or not data:
             return []
         out: list[ChunkInfo] = []
-        before = self.countable_tokens
+        before = self.countable_tokens if self.arrivals is not None else 0  # check streams only: the hot path skips it
         try:
             self._feed(data, now, in_flight, out)
         except MeterFailure as e:
