@@ -41,6 +41,7 @@ from loguru import logger
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from .admission import AdmissionQueue
+from .answer_headers import answer_headers
 from .asgi import BodyTimeout, ClientGone, MalformedBody, Message, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, bearer_matches, load_keys
 from .http.server import HttpServer, is_loopback
@@ -509,7 +510,7 @@ class Gateway:
                 except Exception as e:
                     logger.error("could not save API key {!r}'s usage before serving it: {}", policy.name, e)
             await self.admission.admit(policy.name)  # every slot busy: a short wait, fair across keys, or the 429
-            used = prompt_tokens + await self.relay.serve(req, _with_headers(send, req, ratelimit_headers(
+            used = prompt_tokens + await self.relay.serve(req, answer_headers(send, req, ratelimit_headers(
                 policy, ticket.standing)))
         except GatewayError:
             used = 0  # no miner answered: nothing was served
@@ -527,23 +528,6 @@ class Gateway:
 
 def _model_object(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "tensorgate"}
-
-
-def _with_headers(send: Send, req: ChatRequest, limits: dict[str, str]) -> Send:
-    """``send`` that adds to the answer's head the key's ``x-ratelimit-*`` headers (``limits``) and
-    ``X-Max-Tokens-Capped: <cap>`` when the client asked for more tokens than the gateway serves
-    (``GatewayConfig.max_tokens_cap``): served at the cap, and said so, not silently."""
-    extra = [(k.encode("ascii"), v.encode("ascii")) for k, v in limits.items()]
-    if req.max_tokens_asked is not None:
-        extra.append((b"x-max-tokens-capped", str(req.max_tokens).encode("ascii")))
-    if not extra:
-        return send
-
-    async def adding(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), *extra]}
-        await send(message)
-    return adding
 
 
 def _headers(scope: Scope) -> dict[str, str]:
