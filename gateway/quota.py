@@ -164,7 +164,8 @@ class QuotaBook:
         u = self._of(policy.name, now)
         reserve = max(0, int(reserve))
         streams = max(1, int(streams))
-        standing = self._standing(u, now)
+        minute = policy.rpm is not None or policy.tpm is not None  # only such a key's answers carry the headers
+        standing = self._standing(u, now) if minute else None
         if policy.streams is not None and u.in_flight + streams > policy.streams:
             return Refusal("concurrent streams", 1.0, stream_detail(u.in_flight, streams, policy.streams), standing)
         if policy.rpm is not None and len(u.minute_requests) >= policy.rpm:
@@ -191,7 +192,8 @@ class QuotaBook:
         charge = [now, float(reserve)]
         u.minute_tokens.append(charge)
         u.minute_sum += reserve
-        return Ticket(policy.name, reserve, now, u.day, charge, streams=streams, standing=self._standing(u, now))
+        return Ticket(policy.name, reserve, now, u.day, charge, streams=streams,
+                      standing=self._standing(u, now) if minute else None)
 
     @staticmethod
     def _standing(u: KeyUsage, now: float) -> Standing:

@@ -171,10 +171,7 @@ class CheatRuntime:
     async def _stalled_answer(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """The model's own answer (its seeded draw, which passes the audit): the first token at once, the rest once
         the card is idle, at the card's aggregate rate shared by the streams that waited."""
-        f = ChunkFramer("chatcmpl-stall", int(time.time()), str(payload.get("model", "m")))
-        n = payload.get("max_tokens")
-        n = n if isinstance(n, int) and n > 0 else 16
-        ids, ended = TOY.generate(TOY.key(payload.get("messages")), n, SamplingParams.of(payload), random.Random(0))
+        f, ids, ended = _model_answer(payload, SamplingParams.of(payload), "chatcmpl-stall")
         scale, profile = self.card.scale, self.card.profile
         await asyncio.sleep(0.1 / scale)  # a short prompt's prefill
         yield frame(f.chunk({"role": "assistant"}, None)) + f.tokens(TOY.piece(ids[0]).decode(), [ids[0]])
@@ -198,12 +195,19 @@ class CheatRuntime:
         return b"".join(parts)
 
 
-def _instant_answer(payload: dict[str, Any]) -> bytes:
-    """The model's greedy answer, all in one write (as if computed beforehand): ids, finish, ``[DONE]``."""
-    f = ChunkFramer("chatcmpl-self", int(time.time()), str(payload.get("model", "m")))
+def _model_answer(payload: dict[str, Any], sampling: SamplingParams, completion_id: str
+                  ) -> tuple[ChunkFramer, list[int], bool]:
+    """A framer for an answer the cheat writes itself, and the model's own tokens for ``payload`` (``max_tokens``,
+    16 when it names none) drawn as ``sampling`` asks (a seeded draw is the one the audit replays)."""
     n = payload.get("max_tokens")
     n = n if isinstance(n, int) and n > 0 else 16
-    ids, ended = TOY.generate(TOY.key(payload.get("messages")), n, SamplingParams(temperature=0.0), random.Random(0))
+    ids, ended = TOY.generate(TOY.key(payload.get("messages")), n, sampling, random.Random(0))
+    return ChunkFramer(completion_id, int(time.time()), str(payload.get("model", "m"))), ids, ended
+
+
+def _instant_answer(payload: dict[str, Any]) -> bytes:
+    """The model's greedy answer, all in one write (as if computed beforehand): ids, finish, ``[DONE]``."""
+    f, ids, ended = _model_answer(payload, SamplingParams(temperature=0.0), "chatcmpl-self")
     finish = "stop" if ended else "length"
     parts = [frame(f.chunk({"role": "assistant"}, None))]
     parts += [f.tokens(TOY.piece(t).decode(), [t]) for t in ids]
