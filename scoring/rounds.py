@@ -16,6 +16,12 @@ if it ran all the slots it declares (``request_credit(..., loaded=True)``); one 
 judged by what this validator sees. A slow card cannot hide behind the allowance: it never shows full
 speed. What a miner that is fast only at times can hide is bounded by the slots it declares.
 
+A capacity-check stream is read once, by the capacity reading (:mod:`scoring.capacity`), not by credit too: it
+fills the card on purpose, so its speed says how much the card delivers, and the reading already prices that. Credited
+as well, a card carrying other validators' load paid twice for the same slow check streams (issue 38: a round of
+probes alone, three of them check streams, credited 0.41 beside an unloaded card's 0.9, and routing followed). Its
+failures still show (a refused check stream reads 0 cards), its audit still counts, and its work is still paid.
+
 Example::
 
     acc = RoundAccumulator(CreditConfig())
@@ -209,7 +215,7 @@ class RoundAccumulator:
         # fast on exactly those requests (they say what they are) would raise the quality that multiplies the pay of
         # every other answer. A failure on one still counts: the user saw it.
         unchecked = self.audits and m.ok and m.skipped is not None
-        credit = None if unchecked else request_credit(m, self.cfg)
+        credit = None if unchecked or m.capacity_check else request_credit(m, self.cfg)
         if credit is not None:
             row.measured += 1
             row.credit_sum += credit

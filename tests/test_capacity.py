@@ -84,6 +84,27 @@ def _check(hotkey: str, *, ok: bool = True, failure: FailureReason | None = None
                        else 0, ok=ok, failure=failure, probe=True, concurrency=streams, capacity_check=True, slots=4)
 
 
+def test_a_check_stream_is_read_by_the_capacity_reading_not_by_credit_too() -> None:
+    """Issue 38: a card carrying other validators' load decodes its check streams slower than an unloaded card. The
+    capacity reading prices that; credited as well, the same slow streams cut its quality (a round of probes alone
+    credited 0.41 beside 0.9) and, through routing, its traffic a second time. Its user answers set its credit."""
+    n = check_tokens(3, CFG, longest=512)
+    organic = Measurement(uid=1, hotkey="loaded", in_flight=0, prompt_tokens=40, max_tokens=64, ttft_s=0.45,
+                          latency_s=0.45 + 63 / 440.0, completion_tokens=64, ok=True, concurrency=1.0, slots=4)
+    scorer = Scorer(CFG)
+    for _ in range(3):
+        scorer.record(organic)
+        scorer.record(_check("loaded", tokens=n, per_stream_tok_s=55.0))  # others' streams share the card
+    row = scorer._round.miners["loaded"]
+    assert row.measured == 3 and row.score == pytest.approx(1.0)  # the user answers' credit, all of it
+    assert len(row.capacity_rates) == 3  # ... and the check streams all read, once
+    scorer.close_round(round_s=60.0)
+    assert scorer.capacity.multiplier("loaded") < 1.0  # the reading shows the load
+    # a refused check stream still shows as nothing delivered, and a round of check streams alone credits nothing
+    scorer.record(_check("refuser", ok=False, failure=FailureReason.BUSY))
+    assert scorer._round.miners["refuser"].measured == 0 and scorer._round.miners["refuser"].capacity_rates == [0.0]
+
+
 @pytest.mark.parametrize("failure", [FailureReason.BUSY, FailureReason.CLIENT_REJECTED, FailureReason.HTTP_STATUS])
 def test_a_refused_check_stream_delivers_nothing(failure: FailureReason) -> None:
     """Issue 38: four 1-slot hotkeys on one card each served the check stream it won and refused the rest ("busy",

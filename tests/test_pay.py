@@ -230,8 +230,11 @@ def test_holding_the_first_token_never_raises_credit(rate: float, tokens: int) -
     assert (request_credit(held(honest), CFG) or 0.0) <= (request_credit(honest, CFG) or 0.0) + 1e-9
     acc_h, acc_b = RoundAccumulator(CFG), RoundAccumulator(CFG)
     for _ in range(5):
+        acc_h.add(honest)
+        acc_b.add(held(honest))
         acc_h.add(dataclasses.replace(honest, capacity_check=True))
         acc_b.add(dataclasses.replace(held(honest), capacity_check=True))
+    assert acc_h.miners["a"].measured == acc_b.miners["a"].measured == 5  # the check streams are read, not credited
     assert acc_b.miners["a"].score <= acc_h.miners["a"].score + 1e-9
     # the capacity check reads no more from the burst than from the stream: the burst shows no extra cards (and a
     # burst whose first token came after the TTFT band's zero delivers nothing at all: scoring.rounds)
