@@ -245,16 +245,16 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
 
 
 async def _await_weights(v: Validator, timeout_s: float) -> None:
-    n = v.weights_submitted
+    n = v.weights.submitted
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
-    while v.weights_submitted == n and loop.time() < end:  # noqa: ASYNC110 - polls another task's counter
+    while v.weights.submitted == n and loop.time() < end:  # noqa: ASYNC110 - polls another task's counter
         await asyncio.sleep(0.1)
 
 
 def _print_summary(subnet: LocalSubnet) -> None:
     v = subnet.validator
-    last = v.weights_set[-1] if v.weights_set else None
+    last = v.weights.history[-1] if v.weights.history else None
     lines = [f"local subnet stopped after {v.rounds_closed} rounds"]
     if subnet.traffic is not None:
         lines.append(f"organic requests: {dict(subnet.traffic.counts)}")

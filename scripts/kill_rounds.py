@@ -76,26 +76,26 @@ async def _life(state: Path, redis_url: str | None, step: str, n: int) -> None:
     if redis_url is None:
         for i in range(n):
             v.parts.measurements.record(_measurement(i))
-    assert v.store is not None
-    save = v.store.save_round
+    assert v.state.store is not None
+    save = v.state.store.save_round
 
     def save_then_maybe_die(*a: Any, **kw: Any) -> None:
         if step == "before-save":
             _die()
         save(*a, **kw)
-        if step == "between-save-and-ack" or (step == "after-ack" and v.reader is None):
+        if step == "between-save-and-ack" or (step == "after-ack" and v.state.reader is None):
             _die()
 
-    v.store.save_round = save_then_maybe_die
-    if v.reader is not None:
-        ack = v.reader.ack
+    v.state.store.save_round = save_then_maybe_die
+    if v.state.reader is not None:
+        ack = v.state.reader.ack
 
         async def ack_then_die(refs: Any) -> bool:
             ok = await ack(refs)
             _die()
             return ok
 
-        v.reader.ack = ack_then_die
+        v.state.reader.ack = ack_then_die
     await v._drain()
     await v.close_round()
     raise SystemExit("the step to die at was never reached")

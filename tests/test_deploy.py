@@ -79,7 +79,7 @@ async def test_the_dashboard_asks_only_for_metrics_the_validator_exports(tmp_pat
     v = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0, audit_model="toy"), FakeChain([]),
                         dev_keypair("Alice"))
     await v.sync_metagraph()
-    v._last_weights_block = 100  # as after a first submission: until then the family is left out
+    v.weights.last_block = 100  # as after a first submission: until then the family is left out
     v.gateway.metrics.add(lambda: validator_families(v))  # as Validator.run does
     registry = CollectorRegistry(auto_describe=False)
     registry.register(v.gateway.metrics)  # the gateway's families and the validator's, as /metrics serves them

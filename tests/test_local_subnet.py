@@ -72,8 +72,8 @@ async def test_restart_restores_routing_without_settling(finished_run: Path) -> 
     v = subnet.validator
     try:
         await v.open_state()
-        assert v.scorer.restored and v.store is not None
-        rounds_before = len(v.store.load_rounds(100))
+        assert v.scorer.restored and v.state.store is not None
+        rounds_before = len(v.state.store.load_rounds(100))
         assert rounds_before in (ROUNDS, ROUNDS + 1)  # + the round in progress at the stop, if it measured anything
         await v.start()
         # Routable at once with the saved credits: every miner has a measured score, before any round ran.
@@ -83,7 +83,7 @@ async def test_restart_restores_routing_without_settling(finished_run: Path) -> 
         assert known.keys() == scores.keys(), scores
         assert known[4] < min(known[1], known[2], known[3])
         # Nothing was invented for the downtime: no round was added by restarting.
-        assert len(v.store.load_rounds(100)) == rounds_before
+        assert len(v.state.store.load_rounds(100)) == rounds_before
         assert v.rounds_closed == 0
     finally:
         await v.stop()

@@ -224,15 +224,15 @@ async def test_the_validator_acknowledges_only_what_a_saved_round_holds(redis_ur
             pub.record(m(10 + i))
         await pub.send()
         await v._drain()
-        assert v.store is not None
-        v.store.close()  # the save fails: nothing is acknowledged
+        assert v.state.store is not None
+        v.state.store.close()  # the save fails: nothing is acknowledged
         await v.close_round()
         assert await pending() == 3
-        v.store = None
+        v.state.store = None
         # a restarted scorer reads the unsaved three first
         v2 = build_validator(cfg, _Chain(), dev_keypair("Alice"))  # type: ignore[arg-type]
-        assert v2.reader is not None
-        assert len(await v2.reader.pull()) == 3
+        assert v2.state.reader is not None
+        assert len(await v2.state.reader.pull()) == 3
         if v2.parts.shared is not None:
             await v2.parts.shared.link.aclose()
     finally:

@@ -25,7 +25,7 @@ FUNCTION_MAX_LINES = 60
 # Over the limits today (2026-12-06), at their size then: they may shrink, not grow; remove a line once it is under.
 LARGE_MODULES = {
     "gateway/router.py": 603, "neurons/chain/local_substrate.py": 586, "gateway/app.py": 536,
-    "scoring/store.py": 539, "neurons/validator/neuron.py": 530, "gateway/protocol/openai.py": 487,
+    "scoring/store.py": 539, "gateway/protocol/openai.py": 487,
     "gateway/relay.py": 486, "gateway/http/server.py": 473,
 }
 LONG_FUNCTIONS = {

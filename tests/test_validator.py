@@ -205,17 +205,17 @@ async def test_weight_failure_is_logged_and_retried_never_fatal(tmp_path: Path) 
     chain = FakeChain([WeightsOutcome(ok=False, message="RATE_LIMITED"), WeightsOutcome(ok=True, message="ok")])
     v = await _validator_with_scores(tmp_path, chain)
     await v.maybe_set_weights()
-    assert len(chain.calls) == 1 and not v.weights_set
+    assert len(chain.calls) == 1 and not v.weights.history
     chain.height += 1  # next opportunity: retried at once, not after a whole interval
     await v.maybe_set_weights()
-    assert len(chain.calls) == 2 and len(v.weights_set) == 1
-    block, weights = v.weights_set[0]
+    assert len(chain.calls) == 2 and len(v.weights.history) == 1
+    block, weights = v.weights.history[0]
     assert block == 1001
     assert weights[1] == pytest.approx(0.75) and weights[2] == pytest.approx(0.25)
     chain.height += 50  # inside the weights interval: nothing is sent
     await v.maybe_set_weights()
     assert len(chain.calls) == 2
-    assert v.store is not None and v.store.last_weights_block() == 1001
+    assert v.state.store is not None and v.state.store.last_weights_block() == 1001
     await v.stop()
 
 
@@ -234,7 +234,7 @@ async def test_a_try_with_nothing_to_set_holds_the_interval_only_until_the_next_
     assert chain.calls == []
     v.rounds_closed += 1
     await v.maybe_set_weights()  # a round closed since: set at once, 5 blocks into a 100-block interval
-    assert len(chain.calls) == 1 and v.weights_set[0][0] == 1005
+    assert len(chain.calls) == 1 and v.weights.history[0][0] == 1005
     chain.height += 5
     v.rounds_closed += 1
     await v.maybe_set_weights()  # after weights were set, the interval holds whatever the rounds
@@ -246,7 +246,7 @@ async def test_dry_run_sets_nothing(tmp_path: Path) -> None:
     chain = FakeChain([])
     v = await _validator_with_scores(tmp_path, chain, weights_dry_run=True)
     await v.maybe_set_weights()
-    assert chain.calls == [] and not v.weights_set
+    assert chain.calls == [] and not v.weights.history
     await v.stop()
 
 
@@ -278,18 +278,18 @@ def test_building_a_validator_does_no_io(tmp_path: Path) -> None:
     """Constructors open nothing: the state dir, SQLite and sockets come with start()."""
     state = tmp_path / "not-yet"
     v = build_validator(ValidatorConfig(state_dir=state, gateway_port=0), FakeChain([]), dev_keypair("Alice"))
-    assert not state.exists() and v.store is None
+    assert not state.exists() and v.state.store is None
     with pytest.raises(RuntimeError):
         _ = v.gateway.port  # not listening
 
 
 async def test_a_round_that_cannot_be_saved_does_not_stop_scoring(tmp_path: Path) -> None:
     v = await _validator_with_scores(tmp_path, FakeChain([]))
-    assert v.store is not None
-    v.store.close()  # every write now fails
+    assert v.state.store is not None
+    v.state.store.close()  # every write now fails
     entry = await v.close_round()
     assert entry.index == 2 and v.rounds_closed == 2  # the round closed in memory all the same
-    v.store = None
+    v.state.store = None
     await v.stop()
 
 
@@ -372,7 +372,7 @@ async def test_a_refusal_the_chain_repeats_backs_off_to_one_attempt_an_interval(
     gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
     assert gaps[:7] == [1, 2, 4, 8, 16, 32, 64]  # doubling ...
     assert all(g == 100 for g in gaps[7:]) and gaps[7:]  # ... to one attempt an interval
-    assert not v.weights_set
+    assert not v.weights.history
     await v.stop()
 
 

@@ -22,11 +22,11 @@ def validator_families(v: Validator) -> Iterator[Metric]:
     if v._synced_at is not None:
         yield GaugeMetricFamily("tensorgate_metagraph_age_seconds", "Seconds since the metagraph was last read",
                                 value=time.monotonic() - v._synced_at)
-    if v._last_weights_block is not None:
+    if v.weights.last_block is not None:
         yield GaugeMetricFamily("tensorgate_weights_last_block", "The block weights were last set (or tried) at",
-                                value=v._last_weights_block)
+                                value=v.weights.last_block)
     yield GaugeMetricFamily("tensorgate_weights_refusals_in_a_row", "The chain's refusals of weights since the last "
-                            "success", value=v._weights_failures)
+                            "success", value=v.weights.failures)
     settled = GaugeMetricFamily("tensorgate_settled_value", "Each hotkey's settled value: what its weight follows",
                                 labels=["hotkey"])
     for hotkey, value in sorted(v.scorer.settled_values().items()):

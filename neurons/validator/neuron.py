@@ -8,8 +8,9 @@ The parts come wired from :func:`neurons.validator.build.build_parts`; the const
 :meth:`Validator.start` opens the state (SQLite, on a thread of its own: a ``synchronous=FULL``
 commit must never stall the event loop that relays streams), reads the chain and binds the gateway.
 Measurements reach the scorer through a bounded queue drained a few times a second, not from inside
-the socket read callback that produced them. History kept in memory is bounded (``RECENT``); the
-complete record is the state database.
+the socket read callback that produced them. Two jobs live in modules of their own: what must not be lost
+(:mod:`.state`: the state file and the exactly-once intake) and setting weights (:mod:`.weights_setter`).
+History kept in memory is bounded (``RECENT``); the complete record is the state database.
 
 Run against a real subnet::
 
@@ -23,26 +24,19 @@ or the embedded local subnet (no chain, no GPU)::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import random
 import time
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
 from gateway.offers import refresh_offers
 from gateway.protocol.measurement import Measurement
-from gateway.quota import utc_day
 from gateway.router import Candidate
-from gateway.shared.measurements import MeasurementReader, decode, encode
+from gateway.shared.measurements import MeasurementReader
 from gateway.shared.routing import publish, view
-from scoring.audit import StrikeBook
-from scoring.store import CorruptStateError, ScoreStore
 from scoring.weights import why_empty
 
 from ..chain.base import Chain, NeuronInfo
@@ -52,15 +46,16 @@ from .config import ValidatorConfig
 from .corpus import stdlib_passages
 from .metrics import validator_families
 from .readiness import not_ready
+from .state import StateKeeper
+from .weights_setter import WeightsSetter
 from .workers import WorkerPool
 
 if TYPE_CHECKING:
     from .build import ValidatorParts
 
-RECENT = 64  # closed rounds and weight submissions kept in memory (for the live table and tests)
+RECENT = 64  # closed rounds kept in memory (for the live table and tests)
 DRAIN_EVERY_S = 0.25  # how often measurements move from the queue into the scorer
 ROUTING_EVERY_S = 1.0  # how often the router's view is compared with the one published to the other gateways
-_T = TypeVar("_T")
 
 
 def candidates(neurons: list[NeuronInfo], self_hotkey: str, min_validator_stake: float) -> list[Candidate]:
@@ -96,129 +91,43 @@ class Validator:
         self.gateway = parts.gateway
         self.scorer = parts.scorer
         self.auditor = parts.auditor
-        self.store: ScoreStore | None = None  # opened in start()
+        shared = parts.shared
+        self.state = StateKeeper(cfg.state_dir, parts.measurements,
+                                 MeasurementReader(shared.link) if shared is not None else None)
+        self.weights = WeightsSetter(chain, hotkey=self.hotkey, interval_blocks=cfg.weights_interval_blocks,
+                                     dry_run=cfg.weights_dry_run, weigh=self._weigh, record=self.state.record_weights)
         self.hotkey_to_uid: dict[str, int] = {}
         self.my_uid: int | None = None
         self.rounds_closed = 0
         self.recent_rounds: deque[RoundLog] = deque(maxlen=RECENT)
-        self.weights_set: deque[tuple[int, dict[int, float]]] = deque(maxlen=RECENT)  # (block, weights)
-        self.weights_submitted = 0
         self.restarts: dict[str, int] = {}
-        self._last_weights_block: int | None = None
-        self._nothing_to_set_at_round: int | None = None  # rounds_closed when the last try found no weights to set
         self._tasks: list[asyncio.Task[None]] = []
         self._corpus_task: asyncio.Task[None] | None = None
-        self._weights_failures = 0  # refusals in a row (backoff: next block, then 2, 4, ... up to an interval)
-        self._retry_weights_at = 0
-        self._store_thread: ThreadPoolExecutor | None = None
         self._synced_at: float | None = None  # when the metagraph was last read (monotonic)
         self._max_metagraph_age_s = 600.0  # set from the chain's block time at start
-        # Gateways sharing Redis (--redis.url): every process's measurements come from the shared stream, and each
-        # is acknowledged once the round holding it is saved. None: this process's queue alone.
-        shared = parts.shared
-        self.reader = MeasurementReader(shared.link) if shared is not None else None
-        self._unacked: list[str] = []  # refs (stream entries, or intake journal ids) in the round in progress
-        self._saved_unacked: list[str] = []  # refs of rounds whose save or acknowledgement failed: sent again
-        self._counted: set[str] = set()  # entries saved rounds hold, maybe unacknowledged: read again, never recounted
-        self._restored_intake: list[Measurement] = []  # journaled before a restart, no saved round holds them
         self._published_routing: str | None = None
         self.workers: WorkerPool | None = None  # --gateway.workers above 1: the other gateway processes
 
-    # -- state I/O, off the event loop ------------------------------------------------------------
-
-    async def _io(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run a blocking state call on the store's single thread (calls stay serialised)."""
-        if self._store_thread is None:
-            self._store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state")
-        return await asyncio.get_running_loop().run_in_executor(self._store_thread, fn, *args)
-
     async def open_state(self) -> None:
         """Open the state database and restore scoring from it (idempotent)."""
-        if self.store is not None:
+        if self.state.store is not None:
             return
-        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
-        path = self.cfg.state_dir / "validator.sqlite"
-        if await asyncio.to_thread(path.is_dir):  # the store would open a new file inside it: history lost
-            raise CorruptStateError(path, "a directory is where the state file should be")
-        self.store = await self._io(ScoreStore, path)
-        await self._io(self.scorer.restore, self.store)
-        self._counted = await self._io(self.store.counted_refs)
-        self._restored_intake = [dataclasses.replace(decode(raw), ref=str(i))
-                                 for i, raw in await self._io(self.store.taken_in)]
-        if self._restored_intake:
-            logger.info("{} measurements taken in before the restart, in no saved round: scored now",
-                        len(self._restored_intake))
-        self._last_weights_block = await self._io(self.store.last_weights_block)
-        quota = self.gateway.quota
-        for row in await self._io(self.store.load_key_usage, utc_day(time.time())):
-            quota.restore(*row)  # today's API key usage survives a restart: no fresh day by restarting
-        store = self.store
-
-        async def save_usage(row: tuple[str, str, int, int]) -> None:
-            await self._io(store.save_key_usage, [row])
-
-        self.gateway.save_usage = save_usage  # a key's claim on its day, written before its request is served
-        if self.auditor is not None:
-            saved = await self._io(self.store.load_strikes)
-            try:
-                book = StrikeBook.from_json(self.auditor.book.policy, saved)
-            except ValueError as e:
-                raise CorruptStateError(self.store.path, f"the strike book is unreadable ({e})") from e
-            self.auditor.book = book
-            if book.quarantined():
-                logger.info("{} miners still quarantined from earlier audits", len(book.quarantined()))
+        await self.state.open(self.scorer, self.gateway.quota, self.auditor)
+        self.weights.last_block = await self.state.last_weights_block()
+        self.gateway.save_usage = self.state.save_usage  # a key's claim on its day, before its request is served
 
     def _score(self, m: Measurement) -> None:
         self.scorer.record(m)
-        if m.ref is not None:
-            self._unacked.append(m.ref)
+        self.state.hold(m)
 
-    async def _intake(self) -> list[Measurement]:
-        """New measurements, each to be counted exactly once across kill -9 (issue 39).
+    def _weigh(self) -> tuple[dict[int, float], str]:
+        """What the weights loop sets: payable values over the metagraph (quarantined miners at 0), and why none."""
+        quarantined = self.quarantined()
+        weights = self.scorer.weights(self.hotkey_to_uid, exclude=quarantined)
+        return weights, ("" if weights else why_empty(self.scorer.payable(quarantined), self.hotkey_to_uid))
 
-        With Redis, an entry a saved round already holds (read again because the kill came between the save and
-        the acknowledgement, or Redis was down then) is not counted again, only acknowledged. Without Redis, each
-        measurement is journaled in the state file (its ``ref`` the journal id) until a saved round holds it, so a
-        kill before the save loses none.
-        """
-        if self.reader is not None:
-            fresh = []
-            for m in await self.reader.pull():
-                if m.ref in self._counted:
-                    self._saved_unacked.append(m.ref)  # acknowledged with the next saved round's entries
-                else:
-                    fresh.append(m)
-            return fresh
-        restored, self._restored_intake = self._restored_intake, []
-        taken = self.parts.measurements.drain()
-        if self.store is None or not taken:
-            return [*restored, *taken]
-        try:
-            ids = await self._io(self.store.take_in, [encode(m) for m in taken])
-        except Exception as e:  # scored all the same; only a kill before the round's save would lose them
-            logger.error("scoring state: could not journal {} measurements in {}: {}", len(taken), self.store.path, e)
-            return [*restored, *taken]
-        return [*restored, *(dataclasses.replace(m, ref=str(i)) for m, i in zip(taken, ids, strict=True))]
-
-    async def _acknowledge(self, refs: list[str], saved: bool) -> None:
-        """The round holding ``refs`` is saved (or not): acknowledge them, with earlier ones still owed (without
-        Redis, the journal rows left with the save: nothing to acknowledge)."""
-        if not saved:
-            self._saved_unacked.extend(refs)  # the next round's save writes the state holding them
-            return
-        owed, self._saved_unacked = [*self._saved_unacked, *refs], []
-        if self.reader is None:
-            return
-        self._counted.update(owed)
-        if not await self.reader.ack(owed):
-            self._saved_unacked = owed
-            return
-        self._counted.difference_update(owed)
-        if self.store is not None:
-            try:
-                await self._io(self.store.forget_counted, owed)
-            except Exception as e:  # listed a while longer: harmless, Redis will not deliver them again
-                logger.warning("scoring state: could not forget {} acknowledged entries: {}", len(owed), e)
+    async def maybe_set_weights(self) -> None:
+        await self.weights.maybe_set(self.rounds_closed, self.my_uid)
 
     async def publish_routing(self) -> None:
         """The router's view for the other gateway processes (gateway.shared.routing), when it changed."""
@@ -298,12 +207,7 @@ class Validator:
         await self._save_partial_round()
         if self.parts.shared is not None:
             await self.parts.shared.link.aclose()
-        if self.store is not None:
-            await self._io(self.store.close)
-            self.store = None
-        if self._store_thread is not None:
-            self._store_thread.shutdown(wait=True)
-            self._store_thread = None
+        await self.state.close()
 
     async def _save_partial_round(self) -> None:
         """At stop, the round in progress is scored as it stands and saved (a shorter round), not lost.
@@ -311,9 +215,9 @@ class Validator:
         Answers still waiting for an audit are paid as measured: the reference stopping is never the
         miner's fault (an early stop among them stays unpaid, as any unaudited early stop).
         """
-        if self.store is None:
+        if self.state.store is None:
             return
-        for m in await self._intake():  # with Redis: this process's last ones, sent as its gateway stopped
+        for m in await self.state.intake():  # with Redis: this process's last ones, sent as its gateway stopped
             self._score(m)
         if self.auditor is not None:
             for m in [*self.auditor.ready(), *self.auditor.abandon()]:
@@ -368,7 +272,7 @@ class Validator:
     async def _drain(self) -> None:
         """Measurements into the scorer; those the audit samples wait for their verdict first."""
         auditor = self.auditor
-        for m in await self._intake():
+        for m in await self.state.intake():
             if auditor is None or not auditor.take(m):
                 self._score(m)
         if auditor is not None:
@@ -387,7 +291,6 @@ class Validator:
         """Score the round, republish routing, persist it (on the store thread), log the table."""
         await self._drain()
         quarantined = self.quarantined()
-        refs, self._unacked = self._unacked, []  # what this round holds: acknowledged once it is saved
         report = self.scorer.close_round(time.time(), quarantined=quarantined)
         if self.auditor is not None:
             self.auditor.new_round()
@@ -405,114 +308,11 @@ class Validator:
         entry = RoundLog(index=self.rounds_closed, table=table, weights=weights)
         self.recent_rounds.append(entry)
         logger.info("round {} closed\n{}", entry.index, table)
-        saved = True
-        if self.store is not None and report.saved is not None:
-            try:
-                # what this round holds and what earlier rounds whose save failed held: out of the journal, or
-                # listed as counted, in the round's own transaction
-                held = [*self._saved_unacked, *refs]
-                shared = self.reader is not None
-                await self._io(functools.partial(self.store.save_round, *report.saved,
-                                                 intake=[] if shared else [int(r) for r in held],
-                                                 counted=held if shared else []))
-            except Exception as e:  # keep scoring in memory; the next round saves its own
-                saved = False
-                logger.error("scoring state: could not save round {} to {}: {}", report.index, self.store.path, e)
-        await self._acknowledge(refs, saved)
+        await self.state.save_round(report)  # with the refs it holds: out of the journal, or acknowledged
         await self.publish_routing()
-        await self._save_audits()
-        await self._save_key_usage()
+        await self.state.save_audits(self.auditor)
+        await self.state.save_key_usage(self.gateway.quota)
         return entry
-
-    async def _save_key_usage(self) -> None:
-        """Today's usage per API key (for the limits to survive a restart, and for the operator)."""
-        if self.store is None:
-            return
-        rows = self.gateway.quota.snapshot()
-        if not rows:
-            return
-        try:
-            await self._io(self.store.save_key_usage, rows)
-        except Exception as e:  # the next round saves the totals again
-            logger.error("scoring state: could not save API key usage to {}: {}", self.store.path, e)
-
-    async def _save_audits(self) -> None:
-        """Append the round's audit outcomes and the strike book to the state database."""
-        if self.auditor is None or self.store is None:
-            return
-        pending = self.auditor.outcomes
-        outcomes = list(pending)
-        try:
-            await self._io(self.store.save_audits, outcomes, self.auditor.book.to_json())
-        except Exception as e:  # kept in memory (bounded) for the next round's save
-            logger.error("scoring state: could not save {} audit outcomes to {}: {}", len(outcomes),
-                         self.store.path, e)
-            return
-        for _ in range(min(len(outcomes), len(pending))):
-            pending.popleft()  # saved; outcomes that arrived during the save stay for the next round
-
-    def _interval_holds(self, block: int) -> bool:
-        """Whether the weights interval since the last try still holds at ``block``.
-
-        A try that found nothing to set holds it (one log line an interval) only until another round closes: the
-        first round with work to pay is paid at once, not up to an interval later (a local subnet asked for a few
-        rounds could stop before then, beside a CPU hog, with no weights at all).
-        """
-        last = self._last_weights_block
-        if last is None or block - last >= self.cfg.weights_interval_blocks:
-            return False
-        empty_at = self._nothing_to_set_at_round
-        return empty_at is None or self.rounds_closed <= empty_at
-
-    async def maybe_set_weights(self) -> None:
-        """Set weights when the interval has passed and the chain's rate limit allows; never fatal."""
-        if not self.rounds_closed:
-            return
-        block = await self.chain.block()
-        if self._interval_holds(block):
-            return
-        if block < self._retry_weights_at:
-            return
-        if self.my_uid is None:
-            logger.warning("hotkey {} is not registered on netuid {}; not setting weights",
-                           self.hotkey, self.chain.netuid)
-            self._last_weights_block = block  # say so once an interval, not every block
-            return
-        params = await self.chain.params()
-        since = await self.chain.blocks_since_last_update(self.my_uid)
-        if since < params.weights_rate_limit:
-            return
-        quarantined = self.quarantined()
-        weights = self.scorer.weights(self.hotkey_to_uid, exclude=quarantined)
-        if not weights:
-            logger.info("not setting weights: {}", why_empty(self.scorer.payable(quarantined), self.hotkey_to_uid))
-            self._last_weights_block = block
-            self._nothing_to_set_at_round = self.rounds_closed
-            return
-        self._nothing_to_set_at_round = None
-        if self.cfg.weights_dry_run:
-            logger.info("dry run: would set weights at block {}: {}", block, _fmt_weights(weights))
-            self._last_weights_block = block
-            return
-        outcome = await self.chain.set_weights(weights)
-        if outcome.ok:
-            self._weights_failures = 0
-            self._retry_weights_at = 0
-            self._last_weights_block = block
-            self.weights_set.append((block, weights))
-            self.weights_submitted += 1
-            if self.store is not None:
-                await self._io(self.store.record_weights, block, weights)
-            how = "committed (commit-reveal)" if outcome.commit_reveal else "set"
-            logger.info("weights {} at block {}: {}", how, block, _fmt_weights(weights))
-        else:
-            # A transient failure is retried at the next block; one the chain keeps refusing (a stale version
-            # key, a permit lost) backs off, doubling, to one attempt an interval: never a refusal every block.
-            self._weights_failures += 1
-            wait = min(self.cfg.weights_interval_blocks, 2 ** (self._weights_failures - 1))
-            self._retry_weights_at = block + wait
-            logger.warning("setting weights failed at block {} (attempt {}, next in {} blocks): {}", block,
-                           self._weights_failures, wait, outcome.message)
 
     async def run(self, rounds: int | None = None) -> None:
         try:
@@ -525,6 +325,3 @@ class Validator:
         finally:
             await self.stop()
 
-
-def _fmt_weights(weights: dict[int, float]) -> str:
-    return ", ".join(f"{uid}:{w:.3f}" for uid, w in sorted(weights.items()))
