@@ -358,22 +358,35 @@ async def test_the_round_in_progress_is_saved_at_stop(tmp_path: Path) -> None:
         assert len(st.load_rounds(5)) == 1
 
 
-async def test_a_refusal_the_chain_repeats_backs_off_to_one_attempt_an_interval(tmp_path: Path) -> None:
-    """Issue 15 item 10: a stale version key must not be retried every block for ever."""
+async def test_a_refusal_the_chain_repeats_backs_off_to_one_attempt_an_interval() -> None:
+    """Issue 15 item 10: a stale version key must not be retried every block for ever. The weights setter alone: no
+    validator, no state file."""
+    from neurons.validator.weights_setter import WeightsSetter
+
     chain = FakeChain([WeightsOutcome(ok=False, message="IncorrectWeightVersionKey")] * 50)
-    v = await _validator_with_scores(tmp_path, chain)  # weights_interval_blocks=100
+    recorded: list[int] = []
+
+    async def record(block: int, weights: dict[int, float]) -> None:
+        recorded.append(block)
+
+    setter = WeightsSetter(chain, hotkey="vali", interval_blocks=100, dry_run=False,  # type: ignore[arg-type]
+                           weigh=lambda: ({1: 0.75, 2: 0.25}, ""), record=record)
     attempts: list[int] = []
     for _ in range(300):
         before = len(chain.calls)
-        await v.maybe_set_weights()
+        await setter.maybe_set(rounds_closed=1, my_uid=0)
         if len(chain.calls) > before:
             attempts.append(chain.height)
         chain.height += 1
     gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
     assert gaps[:7] == [1, 2, 4, 8, 16, 32, 64]  # doubling ...
     assert all(g == 100 for g in gaps[7:]) and gaps[7:]  # ... to one attempt an interval
-    assert not v.weights.history
-    await v.stop()
+    assert not setter.history and not recorded and setter.failures == len(attempts)
+    chain.outcomes = [WeightsOutcome(ok=True, message="")]
+    chain.height = attempts[-1] + 100
+    await setter.maybe_set(rounds_closed=1, my_uid=0)  # accepted: recorded, and the refusals forgotten
+    assert setter.history[-1] == (chain.height, {1: 0.75, 2: 0.25}) and recorded == [chain.height]
+    assert setter.failures == 0 and setter.submitted == 1
 
 
 async def test_running_without_a_reference_is_said_every_round_and_in_status(tmp_path: Path) -> None:
