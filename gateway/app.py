@@ -1,10 +1,11 @@
 """The OpenAI-compatible front door: an ASGI app for routes, API keys and request validation.
 
-This module decides *whether* and *what* to serve: ``/v1/chat/completions`` (validated by
-:mod:`gateway.protocol.openai`, then handed to :class:`gateway.relay.Relay`, which owns the request's
-life from router lease to last byte), ``/v1/models``, ``/v1/status`` and ``/health``. Every refusal is
-an OpenAI-shaped error (:mod:`gateway.protocol.errors`), counted in ``outcomes`` with the relay's own
-stream outcomes, so the status page shows one ledger.
+This module decides *whether* to serve and where a request goes; each route is a module of
+:mod:`gateway.routes` (completions, handed to :class:`gateway.relay.Relay`, which owns the request's life from
+router lease to last byte; models; the operator's health, readiness, metrics and status). Every refusal is an
+OpenAI-shaped error (:mod:`gateway.protocol.errors`), counted in ``outcomes`` with the relay's own stream
+outcomes, so the status page shows one ledger. What the process around it plugs in (:mod:`gateway.hooks`) is
+given before it starts and frozen while it serves.
 
 It is a raw ASGI callable, no framework, served by aiohttp (:mod:`gateway.http.server`) and testable as a
 plain call; the refusals some servers let through are checked here, whatever the server: HTTP/0.9,
@@ -26,54 +27,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
-import json
 import os
 import re
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loguru import logger
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from .admission import AdmissionQueue
-from .answer_headers import answer_headers
-from .asgi import BodyTimeout, ClientGone, MalformedBody, Message, Receive, Scope, Send, send_json
-from .auth import ApiKeyAuth, bearer_matches, load_keys
-from .http.server import HttpServer, is_loopback
+from .asgi import ClientGone, Message, Receive, Scope, Send, send_json
+from .auth import ApiKeyAuth, load_keys
+from .hooks import GatewayHooks
+from .http.server import HttpServer
 from .metrics import METRICS_KEY_ENV, GatewayCollector
-from .protocol.errors import (
-    GatewayError,
-    bad_request,
-    invalid_json,
-    model_not_found,
-    payload_too_large,
-    rate_limited,
-    shutting_down,
-    unauthorized,
-)
-from .protocol.openai import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
-    DEFAULT_MAX_TOKENS,
-    ChatRequest,
-    SchemaLimits,
-    parse_chat_request,
-    parse_completion_request,
-)
+from .protocol.errors import GatewayError, unauthorized
+from .protocol.openai import CHAT_PATH, COMPLETIONS_PATH, DEFAULT_MAX_TOKENS, SchemaLimits
 from .protocol.request_id import request_id
 from .protocol.tokens import PromptCounter
-from .quota import KeyPolicy, QuotaBook, Refusal, Ticket, ratelimit_headers
+from .quota import KeyPolicy, QuotaBook
 from .relay import Relay, RelayConfig
 from .router import Router
+from .routes import completions, models, operator
+from .routes.models import MODEL_PATH
 from .upstream import Upstream, UpstreamTimeouts
-
-if TYPE_CHECKING:
-    from .shared.limits import SharedLimits
 
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
 _CLOSE_AFTER = frozenset({400, 401, 408, 413, 417, 503})  # refusals after which the connection is not worth keeping
@@ -85,9 +68,6 @@ def _loggable(path: str) -> str:
     """The decoded path with its control characters escaped: a client's ``%0A`` must not forge a log line."""
     return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
                             else f"\\u{ord(m.group()):04x}", path)
-
-
-MODEL_PATH = "/v1/models/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +131,8 @@ Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[None]]
 
 
 class Gateway:
-    """Serves ``/v1/chat/completions``, ``/v1/models``, ``/v1/status`` and ``/health``; ``self`` is the ASGI app."""
+    """Serves the client API (:mod:`gateway.routes.completions`, :mod:`gateway.routes.models`) and the operator's
+    endpoints (:mod:`gateway.routes.operator`); ``self`` is the ASGI app."""
 
     def __init__(self, config: GatewayConfig, router: Router, upstream: Upstream, *,
                  counter: PromptCounter | None = None) -> None:
@@ -164,43 +145,45 @@ class Gateway:
         router.default_model = config.models[0]  # what a miner that declares no models serves: the subnet's model
         self.auth = ApiKeyAuth(config.api_keys)
         self.quota = QuotaBook()  # usage and limits per key name
-        # Limits summed over every gateway process (gateway.shared.limits), wired by the validator's build when
-        # gateways share Redis; None: this process's book alone.
-        self.key_limits: SharedLimits | None = None
-        # Called with every admitted request (the validator keeps its shape, never its text, for probes).
-        self.on_request: Callable[[ChatRequest], None] | None = None
-        # Writes a key's usage row (QuotaBook.mark_due) before its request is served; the validator saves it
-        # to the state file. Failing to write never costs a client its answer (the round's close saves too).
-        self.save_usage: Callable[[tuple[str, str, int, int]], Awaitable[None]] | None = None
+        self.hooks = GatewayHooks()  # what the owner plugs in (plug(), before start())
         self.limits = SchemaLimits(models=tuple(config.models), default_max_tokens=config.default_max_tokens,
                                    max_tokens_cap=config.max_tokens_cap)
         self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
         self.relay = Relay(config.relay_config(), router, upstream, self.outcomes)
-        self._routes: dict[str, dict[str, Route]] = {
-            CHAT_PATH: {"POST": self._chat},
-            COMPLETIONS_PATH: {"POST": self._completions},
-            "/v1/models": {"GET": self._models},
-            "/v1/status": {"GET": self._status},
-            "/health": {"GET": self._health},
-            "/ready": {"GET": self._ready},
-            "/metrics": {"GET": self._metrics},
+        self.routes: dict[str, dict[str, Route]] = {
+            CHAT_PATH: {"POST": functools.partial(completions.chat, self)},
+            COMPLETIONS_PATH: {"POST": functools.partial(completions.completions, self)},
+            "/v1/models": {"GET": functools.partial(models.models, self)},
+            "/v1/status": {"GET": functools.partial(operator.status, self)},
+            "/health": {"GET": functools.partial(operator.health, self)},
+            "/ready": {"GET": functools.partial(operator.ready, self)},
+            "/metrics": {"GET": functools.partial(operator.metrics, self)},
         }
-        self.metrics = GatewayCollector(self)  # the validator adds its own families
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(self.metrics)
-        # Why the service should not get traffic now (None: ready); the validator sets it. Without it, ready
-        # means some miner is routable.
-        self.readiness: Callable[[], str | None] | None = None
+        self._model_route: Route = functools.partial(models.model, self)
+        self.metrics = GatewayCollector(self)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.metrics)
         self._server: HttpServer | None = None
         self.stopping = False  # stop() began: new completion requests get 503 shutting_down
         self._serving = 0  # completion requests admitted and not yet answered
         self._all_served = asyncio.Event()
         self._all_served.set()
 
+    def plug(self, **hooks: Any) -> None:
+        """Add hooks (:class:`~gateway.hooks.GatewayHooks` fields; ``metrics`` adds to those plugged before) before
+        :meth:`start`; a gateway that serves has them frozen."""
+        if self._server is not None:
+            raise RuntimeError("a gateway's hooks are plugged before it starts")
+        if "metrics" in hooks:
+            hooks["metrics"] = (*self.hooks.metrics, *hooks["metrics"])
+        self.hooks = dataclasses.replace(self.hooks, **hooks)
+
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         c = self.config
+        for families in self.hooks.metrics:
+            self.metrics.add(families)
         if self.counter is not None:
             await self.counter.start()
             logger.info("API keys' token limits count prompts with the {}", self.counter.name)
@@ -234,11 +217,32 @@ class Gateway:
         if self.counter is not None:
             await self.counter.aclose()
 
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """One completion request admitted and not yet answered: a stop waits for these to finish."""
+        self._serving += 1
+        self._all_served.clear()
+        try:
+            yield
+        finally:
+            self._serving -= 1
+            if not self._serving:
+                self._all_served.set()
+
     @property
     def port(self) -> int:
         if self._server is None:
             raise RuntimeError("gateway not started")
         return self._server.port
+
+    def served_models(self) -> list[str]:
+        return models.served_models(self)
+
+    def authorize(self, headers: dict[str, str]) -> KeyPolicy:
+        policy = self.auth.identify(headers.get("authorization"))
+        if policy is None:
+            raise unauthorized()
+        return policy
 
     # -- ASGI ------------------------------------------------------------------------------------
 
@@ -289,10 +293,11 @@ class Gateway:
             raise GatewayError(400, "an HTTP/1.1 request needs a Host header", code="bad_request")
         if any(_CTL.search(v) for _, v in scope["headers"]):
             raise GatewayError(400, "control character in a header value", code="bad_request")
-        methods = self._routes.get(scope["path"])
+        methods = self.routes.get(scope["path"])
         raw = scope.get("raw_path")
         if methods is None and scope["path"].startswith(MODEL_PATH):
-            methods, raw = {"GET": self._model}, None  # a model id holds "/" (org/name), which clients percent-encode
+            # a model id holds "/" (org/name), which clients percent-encode
+            methods, raw = {"GET": self._model_route}, None
         if methods is None or (raw is not None and raw.decode("latin-1") != scope["path"]):
             # matched on the path as sent: "/v1/chat%2Fcompletions" is not "/v1/chat/completions"
             raise GatewayError(404, "Not Found", code="not_found")
@@ -306,228 +311,6 @@ class Gateway:
             allow = ", ".join([*methods, "HEAD"] if "GET" in methods else methods)
             raise GatewayError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": allow})
         return route
-
-    def _authorize(self, headers: dict[str, str]) -> KeyPolicy:
-        policy = self.auth.identify(headers.get("authorization"))
-        if policy is None:
-            raise unauthorized()
-        return policy
-
-    async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
-        """The request body, refused (413) as soon as it is known to exceed ``max_body_bytes``."""
-        limit = self.config.max_body_bytes
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise payload_too_large(limit)
-        parts: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                message = await receive()
-            except BodyTimeout as e:
-                raise GatewayError(408, str(e), code="request_timeout") from None
-            except MalformedBody as e:  # the framing broke: the connection closes after the 400
-                raise GatewayError(400, str(e), code="bad_request") from None
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise payload_too_large(limit)
-            parts.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(parts)
-
-    async def _prompt_tokens(self, policy: KeyPolicy, req: ChatRequest) -> int:
-        """The prompt's tokens as a key's token limits count them: the model's tokenizer where the gateway has one
-        and the key has a token limit (the estimate undercounts digits, emoji and CJK up to 4x), else the
-        estimate. A tokenizer failure falls back to the estimate: it never costs the client its answer."""
-        if self.counter is None or (policy.tpm is None and policy.tpd is None):
-            return req.prompt_tokens
-        try:
-            return await self.counter.count(req.messages)
-        except Exception as e:
-            logger.error("counting a prompt with the {} failed ({}); the estimate is used", self.counter.name, e)
-            return req.prompt_tokens
-
-    # -- routes ----------------------------------------------------------------------------------
-
-    async def _health(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        await send_json(send, 200, {"status": "ok", "miners": len(self.router),
-                                    "in_flight": self.router.total_in_flight(),
-                                    "pid": os.getpid()})  # which gateway process answered (--gateway.workers)
-
-    async def _ready(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        """200 when the service should get traffic; 503 with the first reason it should not (no key: for load
-        balancers and orchestrators, like ``/health``, which only says the process answers)."""
-        if self.stopping:
-            reason: str | None = "the gateway is shutting down"
-        elif self.readiness is not None:
-            reason = self.readiness()
-        elif not self.router.routable():
-            reason = "no miner is routable"
-        elif not self.upstream.answering(self.router.miners()):
-            reason = "no routable miner is answering (the last request to each failed to connect, timed out or broke)"
-        else:
-            reason = None
-        if reason is None:
-            await send_json(send, 200, {"status": "ready"})
-        else:
-            await send_json(send, 503, {"status": "not ready", "reason": reason}, headers={"Retry-After": "5"})
-
-    async def _metrics(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        """Prometheus' text format. The operator's: a bearer key of its own, or loopback clients only."""
-        key = self.config.metrics_key
-        if key is not None:
-            if not bearer_matches(headers.get("authorization"), key):
-                raise unauthorized("/metrics needs the metrics key (TENSORGATE_METRICS_KEY)")
-        elif not is_loopback((scope.get("client") or ("",))[0]):
-            raise GatewayError(403, "/metrics is served to loopback clients only unless TENSORGATE_METRICS_KEY is set",
-                               type="permission_error", code="forbidden")
-        body = generate_latest(self._registry)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    def served_models(self) -> list[str]:
-        """The configured models some routable miner serves now (all of them while no miner is routable: nothing
-        is known yet, and a request then gets the relay's own 429/503, not a 404)."""
-        if not self.router.routable():
-            return list(self.config.models)
-        offered = self.router.offered()
-        return [m for m in self.config.models if m in offered]
-
-    async def _models(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        self._authorize(headers)
-        await send_json(send, 200, {"object": "list", "data": [_model_object(m) for m in self.served_models()]})
-
-    async def _model(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        """``GET /v1/models/{id}`` (OpenAI's ``models.retrieve``): the model, or 404 ``model_not_found``."""
-        self._authorize(headers)
-        model = scope["path"][len(MODEL_PATH):]
-        if model not in self.served_models():
-            raise model_not_found(model)
-        await send_json(send, 200, _model_object(model))
-
-    def _check_servable(self, req: ChatRequest) -> None:
-        """404 for a model no routable miner serves now, 400 naming the first field no miner serving the model
-        declared (``tools``, ``logprobs``, ...): refused by name, never sent to a miner that would ignore it."""
-        router = self.router
-        if router.can_serve(req.model, req.needs):
-            return  # the usual case, from a cache
-        if not router.routable():
-            return  # nothing known: the relay answers (429 or 503)
-        if not router.can_serve(req.model):
-            raise model_not_found(req.model)
-        if req.needs and not router.can_serve(req.model, req.needs):
-            field = next(f for f in sorted(req.needs) if not router.can_serve(req.model, {f}))
-            raise bad_request(f"'{field}' is not served for {req.model} by any miner now", param=field,
-                              code="unsupported_parameter")
-
-    async def _status(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        policy = self._authorize(headers)
-        miners = []
-        for m in self.router.miners():
-            st = self.upstream.stats.get(m.uid)
-            miners.append({
-                "uid": m.uid,
-                "hotkey": m.hotkey,
-                "endpoint": m.endpoint,
-                "slots": m.slots,
-                "in_flight": m.in_flight,
-                "in_flight_elsewhere": m.elsewhere,  # the other gateway processes' (gateway.shared)
-                "score": m.score,  # None: not measured yet, routed at the prior
-                "quarantined": m.quarantined,  # failed its audits: probes only, paid 0
-                "served": m.served,
-                "requests": st.requests if st else 0,
-                "ok": st.ok if st else 0,
-                "failures": dict(st.failures) if st else {},
-                "unaudited": dict(st.skipped) if st else {},  # answers no audit can check, by rule (not paid)
-                "models": sorted(m.models) or [self.config.models[0]],
-                "features": sorted(m.features),
-                "ttft_p50_s": st.ttft_p50() if st else None,
-            })
-        usage = self.quota.usage.get(policy.name)
-        counted_by = self.counter.name if self.counter is not None else "estimate (4 characters a token)"
-        # the caller's own key only: other keys' names and usage are not its business
-        key: dict[str, Any] = {
-            "name": policy.name, "tokens_counted_by": counted_by,
-            "limits": {"rpm": policy.rpm, "tpm": policy.tpm, "tpd": policy.tpd, "streams": policy.streams},
-            "day": usage.day if usage else None, "requests_today": usage.requests if usage else 0,
-            "tokens_today": usage.tokens if usage else 0, "in_flight": usage.in_flight if usage else 0}
-        if self.key_limits is not None and policy.limited:  # every gateway process's use, from Redis
-            shared_use = await self.key_limits.usage(policy.name)
-            if shared_use is not None:
-                key.update(shared_use)
-        await send_json(send, 200, {"audits": "on" if self.config.audits else "off: answers are paid unverified",
-                                    "in_flight": self.router.total_in_flight(),
-                                    "dispatched": self.upstream.dispatched, "outcomes": dict(self.outcomes),
-                                    "miners": miners, "key": key})
-
-    async def _completions(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send) -> None:
-        await self._chat(scope, headers, receive, send, parse=parse_completion_request)
-
-    async def _chat(self, scope: Scope, headers: dict[str, str], receive: Receive, send: Send,
-                    parse: Callable[[Any, SchemaLimits], ChatRequest] = parse_chat_request) -> None:
-        if self.stopping:  # a kept-alive connection asking during the drain: another replica should serve it
-            raise shutting_down()
-        policy = self._authorize(headers)  # from the head: an unauthenticated client cannot make us read its body
-        raw = await self._read_body(headers, receive)
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise invalid_json() from None
-        req = parse(body, self.limits)
-        self._check_servable(req)
-        if self.stopping:  # the body came in after the stop began
-            raise shutting_down()
-        prompt_tokens = await self._prompt_tokens(policy, req)
-        if prompt_tokens != req.prompt_tokens:  # the usage a client reads is what its key was charged
-            req = dataclasses.replace(req, prompt_tokens=prompt_tokens)
-        reserve = prompt_tokens + req.n * req.max_tokens
-        shared = self.key_limits
-        ticket = (self.quota.admit(policy, reserve, time.time(), streams=req.n) if shared is None
-                  else await shared.admit(policy, reserve, streams=req.n))
-        if isinstance(ticket, Refusal):
-            err = rate_limited(f"API key {policy.name!r} is over its {ticket.limit} limit: {ticket.detail}",
-                               ticket.retry_after_s)
-            err.headers.update(ratelimit_headers(policy, ticket.standing))
-            raise err
-        if self.on_request is not None:
-            try:
-                self.on_request(req)
-            except Exception:  # an observer must never cost a client its answer
-                logger.opt(exception=True).warning("request observer failed")
-        used = ticket.reserved  # a client that leaves mid-answer is charged what it could have used
-        self._serving += 1
-        self._all_served.clear()
-        try:
-            row = self.quota.mark_due(policy, ticket) if isinstance(ticket, Ticket) else None
-            if row is not None and self.save_usage is not None:
-                try:
-                    await self.save_usage(row)
-                except Exception as e:
-                    logger.error("could not save API key {!r}'s usage before serving it: {}", policy.name, e)
-            await self.admission.admit(policy.name)  # every slot busy: a short wait, fair across keys, or the 429
-            used = prompt_tokens + await self.relay.serve(req, answer_headers(send, req, ratelimit_headers(
-                policy, ticket.standing)))
-        except GatewayError:
-            used = 0  # no miner answered: nothing was served
-            raise
-        finally:
-            if shared is not None:
-                shared.settle(ticket, used)
-            else:
-                assert isinstance(ticket, Ticket)
-                self.quota.settle(ticket, used, time.time())
-            self._serving -= 1
-            if not self._serving:
-                self._all_served.set()
-
-
-def _model_object(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "tensorgate"}
 
 
 def _headers(scope: Scope) -> dict[str, str]:

@@ -132,7 +132,8 @@ async def make_gateway(alice: Keypair) -> AsyncIterator[Callable[..., Awaitable[
     made: list[tuple[Harness, ValidatorParts]] = []
 
     async def make(miners: Sequence[FakeMiner | DeadMiner], *, scores: dict[str, float] | None = None,
-                   timeouts: UpstreamTimeouts = FAST, seed: int = 0, max_retries: int = 2, **gw: Any) -> Harness:
+                   timeouts: UpstreamTimeouts = FAST, seed: int = 0, max_retries: int = 2,
+                   hooks: dict[str, Any] | None = None, **gw: Any) -> Harness:
         cfg = ValidatorConfig(gateway_port=0, models=[MODEL], max_retries=max_retries)
         gw.setdefault("freeze_heap", False)
         parts = build_parts(cfg, alice, api_keys=[API_KEY], router=Router(rng=random.Random(seed)),
@@ -143,6 +144,8 @@ async def make_gateway(alice: Keypair) -> AsyncIterator[Callable[..., Awaitable[
                      for m in miners])
         if scores:
             router.set_scores({m.hotkey: scores[m.tag] for m in miners if m.tag in scores})
+        if hooks:
+            parts.gateway.plug(**hooks)  # as the validator plugs its own before the gateway starts
         await parts.gateway.start()
         client = aiohttp.ClientSession()
         h = Harness(gateway=parts.gateway, router=router, upstream=parts.upstream, sink=parts.measurements,

@@ -280,11 +280,13 @@ async def test_ready_says_why_not_while_no_miner_is_routable(make_miner, make_ga
     async with h.client.get(h.base_url + "/ready") as r:
         got = await r.json()
         assert r.status == 503 and "no miner is routable" in got["reason"] and r.headers["Retry-After"] == "5"
-    h.gateway.readiness = lambda: "the metagraph is 900 s old"
-    async with h.client.get(h.base_url + "/ready") as r:
-        assert r.status == 503 and (await r.json())["reason"] == "the metagraph is 900 s old"
     async with h.client.get(h.base_url + "/health") as r:
         assert r.status == 200  # alive all along
+    with pytest.raises(RuntimeError):  # a serving gateway's hooks are frozen
+        h.gateway.plug(readiness=lambda: None)
+    told = await make_gateway([m], hooks={"readiness": lambda: "the metagraph is 900 s old"})
+    async with told.client.get(told.base_url + "/ready") as r:  # the validator's reason, in its words
+        assert r.status == 503 and (await r.json())["reason"] == "the metagraph is 900 s old"
 
 
 async def test_ready_turns_503_when_the_only_miner_dies_and_back_when_it_answers(make_miner, make_gateway) -> None:

@@ -80,7 +80,7 @@ async def test_the_dashboard_asks_only_for_metrics_the_validator_exports(tmp_pat
                         dev_keypair("Alice"))
     await v.sync_metagraph()
     v.weights.last_block = 100  # as after a first submission: until then the family is left out
-    v.gateway.metrics.add(lambda: validator_families(v))  # as Validator.run does
+    v.gateway.metrics.add(lambda: validator_families(v))  # as Validator.start plugs it
     registry = CollectorRegistry(auto_describe=False)
     registry.register(v.gateway.metrics)  # the gateway's families and the validator's, as /metrics serves them
     exported = {_family(f.name) for f in text_string_to_metric_families(generate_latest(registry).decode())}

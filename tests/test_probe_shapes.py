@@ -145,8 +145,8 @@ def test_the_validator_replays_only_when_its_operator_lets_it() -> None:
     off = build_parts(ValidatorConfig(gateway_port=0, probes_replay=False), dev_keypair("Alice"))
     req = parse_chat_request(_client_request(random.Random(6)), LIMITS)
     for parts in (on, off):
-        assert parts.gateway.on_request is not None
-        parts.gateway.on_request(req)
+        assert parts.gateway.hooks.on_request is not None
+        parts.gateway.hooks.on_request(req)
     assert on.prompts.replays is not None and len(on.prompts.replays) == 1
     assert off.prompts.replays is None
 

@@ -111,14 +111,15 @@ def test_usage_is_kept_per_day_and_restored() -> None:
     assert isinstance(refused, Refusal) and refused.limit == "tokens per day"
 
 
-async def _gateway_with_key(make_miner: Any, make_gateway: Any, tmp_path: Path, key_line: str) -> tuple[Any, Any]:
-    """One honest miner behind a gateway whose keys file holds ``key_line``."""
+async def _gateway_with_key(make_miner: Any, make_gateway: Any, tmp_path: Path, key_line: str,
+                            **hooks: Any) -> tuple[Any, Any]:
+    """One honest miner behind a gateway whose keys file holds ``key_line`` (``hooks`` plugged into it)."""
     from tests.fakes import Script
 
     keys = tmp_path / "keys"
     keys.write_text(key_line + "\n")
     m = await make_miner(Script("ok", tokens=4))
-    return m, await make_gateway([m], keys_file=str(keys))
+    return m, await make_gateway([m], keys_file=str(keys), hooks=hooks)
 
 
 async def test_the_gateway_counts_n_streams_for_a_request_for_n_answers(make_miner, make_gateway,
@@ -212,23 +213,23 @@ async def test_the_gateway_writes_a_keys_claim_before_the_miner_is_asked(make_mi
                                                                          tmp_path: Path) -> None:
     from tests.fakes import body
 
-    m, h = await _gateway_with_key(make_miner, make_gateway, tmp_path, "sk-daily name=daily tpd=100000")
     seen: list[tuple[tuple[str, str, int, int], int]] = []
+    disk_full = [False]
 
     async def save(row: tuple[str, str, int, int]) -> None:
+        if disk_full[0]:
+            raise OSError("disk full")
         seen.append((row, m.requests))
 
-    async def broken(row: tuple[str, str, int, int]) -> None:
-        raise OSError("disk full")
-
-    h.gateway.save_usage = save
+    m, h = await _gateway_with_key(make_miner, make_gateway, tmp_path, "sk-daily name=daily tpd=100000",
+                                   save_usage=save)
     for _ in range(2):
         async with h.chat(body(max_tokens=4), headers={"Authorization": "Bearer sk-daily"}) as r:
             assert r.status == 200
             await r.read()
     assert len(seen) == 1 and seen[0][1] == 0  # one claim (a twentieth of the day), before the miner saw anything
     assert seen[0][0][0] == "daily" and 5000 < seen[0][0][3] < 5100  # the first reservation + a twentieth
-    h.gateway.save_usage = broken
+    disk_full[0] = True
     h.gateway.quota.usage["daily"].recorded = 0  # due again
     async with h.chat(body(max_tokens=4), headers={"Authorization": "Bearer sk-daily"}) as r:
         assert r.status == 200  # a state file that cannot be written never costs the client its answer

@@ -369,7 +369,7 @@ async def test_a_refusal_the_chain_repeats_backs_off_to_one_attempt_an_interval(
     async def record(block: int, weights: dict[int, float]) -> None:
         recorded.append(block)
 
-    setter = WeightsSetter(chain, hotkey="vali", interval_blocks=100, dry_run=False,  # type: ignore[arg-type]
+    setter = WeightsSetter(chain, hotkey="vali", interval_blocks=100, dry_run=False,
                            weigh=lambda: ({1: 0.75, 2: 0.25}, ""), record=record)
     attempts: list[int] = []
     for _ in range(300):
@@ -420,12 +420,12 @@ async def test_a_keys_claim_on_its_day_is_in_the_state_file_before_its_request_i
 
     policy = KeyPolicy("capped", tpd=1000)
     v = await _validator_with_scores(tmp_path, FakeChain([]))
-    assert v.gateway.save_usage is not None  # wired by open_state
+    assert v.gateway.hooks.save_usage is not None  # plugged by open_state
     ticket = v.gateway.quota.admit(policy, 900, time.time())
     assert isinstance(ticket, Ticket)
     row = v.gateway.quota.mark_due(policy, ticket)
     assert row is not None
-    await v.gateway.save_usage(row)  # what the gateway awaits before it serves the request
+    await v.gateway.hooks.save_usage(row)  # what the gateway awaits before it serves the request
     # killed here: no round closed, no stop
     again = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0), FakeChain([]), dev_keypair("Alice"))
     await again.open_state()

@@ -145,8 +145,7 @@ def build_parts(
             link, gateway.quota, share=cfg.redis_gateways or cfg.gateway_workers, ttl_s=cfg.redis_lease_s), publisher)
         gateway.relay.leases = shared.leases
         gateway.relay.full_wait_s = cfg.queue_s
-        gateway.key_limits = shared.limits
-        gateway.metrics.add(shared.families)
+        gateway.plug(key_limits=shared.limits, metrics=(shared.families,))
     credit = credit or load_profile(cfg.credit_profile)
     scorer = Scorer(credit, window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
@@ -158,7 +157,7 @@ def build_parts(
         if replays is not None:
             replays.observe(req)
 
-    gateway.on_request = observe
+    gateway.plug(on_request=observe)
     prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes,
                               replays=replays)
     probes = ProbeRunner(router, upstream.probe, prompts, tuple(cfg.models), random.Random(seed_rng.random()),

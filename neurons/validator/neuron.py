@@ -114,7 +114,7 @@ class Validator:
             return
         await self.state.open(self.scorer, self.gateway.quota, self.auditor)
         self.weights.last_block = await self.state.last_weights_block()
-        self.gateway.save_usage = self.state.save_usage  # a key's claim on its day, before its request is served
+        self.gateway.plug(save_usage=self.state.save_usage)  # a key's claim on its day, before its request is served
 
     def _score(self, m: Measurement) -> None:
         self.scorer.record(m)
@@ -156,8 +156,7 @@ class Validator:
         if self.scorer.restored:
             logger.info("routing restored at once for {} miners from {}", len(self.scorer.routing_scores()),
                         self.cfg.state_dir)
-        self.gateway.readiness = self.readiness
-        self.gateway.metrics.add(lambda: validator_families(self))
+        self.gateway.plug(readiness=self.readiness, metrics=(lambda: validator_families(self),))
         await self.publish_routing()
         await self.gateway.start()
         if self.cfg.gateway_workers > 1:
