@@ -11,10 +11,15 @@ verified, and the audits passed and failed; the scorer turns them into the round
 
 Load this validator cannot see: a card also serving other validators decodes slower than this
 validator's own in-flight count predicts. A miner that has shown its full speed in the round (at
-least :data:`SHOWN_SPEED_MIN` requests at full decode credit by this validator's count) is judged as
-if it ran all the slots it declares (``request_credit(..., loaded=True)``); one that never has is
-judged by what this validator sees. A slow card cannot hide behind the allowance: it never shows full
-speed. What a miner that is fast only at times can hide is bounded by the slots it declares.
+least :data:`SHOWN_SPEED_MIN` requests at full decode credit by this validator's count, counted over this
+round and the one before) is judged as if it ran all the slots it declares (``request_credit(...,
+loaded=True)``); one that has not is judged by what this validator sees. A slow card cannot hide behind the
+allowance: it never shows full speed. What a miner that is fast only at times can hide is bounded by the
+slots it declares. The round before counts too because a round's few requests to a loaded card may not find
+it free twice (issue 38: a round of 2 user requests credited an honest card carrying others' load 0.33, 0.06
+off its settled credit, where the round before had shown its speed four times; and the first rounds, of 4
+requests and of probes alone, credited 0.37 and 0.5 and routed it 0 and 1 requests against 6 and 15); no
+further, so a card keeps the allowance only by showing its speed every other round.
 
 A capacity-check stream is read once, by the capacity reading (:mod:`scoring.capacity`), not by credit too: it
 fills the card on purpose, so its speed says how much the card delivers, and the reading already prices that. Credited
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gateway.protocol.measurement import FailureReason, Measurement
@@ -74,6 +79,7 @@ class MinerRound:
     credit_sum: float = 0.0  # judged by this validator's own in-flight count
     loaded_sum: float = 0.0  # judged with the allowance for load this validator cannot see
     shown_speed: int = 0  # requests at full decode credit by this validator's own count
+    shown_before: int = 0  # requests at full decode credit in the round before (they count toward the allowance)
     work_s: float = 0.0  # card-seconds of paid work (scoring.pay), verified or not
     verified_work_s: float = 0.0  # of which an audit passed (all of it where the validator audits nothing)
     audits_passed: int = 0  # organic answers whose audit passed: what releases unverified pay
@@ -91,7 +97,7 @@ class MinerRound:
     @property
     def allowed_load(self) -> bool:
         """Whether the miner showed its full speed often enough to be judged at its declared slots."""
-        return self.shown_speed >= SHOWN_SPEED_MIN
+        return self.shown_speed + self.shown_before >= SHOWN_SPEED_MIN
 
     @property
     def score(self) -> float:
@@ -183,16 +189,25 @@ def rate_by_deadline(m: Measurement, cfg: CreditConfig) -> float | None:
 class RoundAccumulator:
     """Per-hotkey accumulation for the round in progress. ``add`` is O(1) and cheap."""
 
-    def __init__(self, cfg: CreditConfig, *, audits: bool = False) -> None:
+    def __init__(self, cfg: CreditConfig, *, audits: bool = False,
+                 shown_before: Mapping[str, int] | None = None) -> None:
         self.cfg = cfg
         self.audits = audits  # answers are audited: an early stop is paid only when its audit confirmed it
+        self.shown_before = dict(shown_before or {})  # requests at full speed in the round before, by hotkey
         self.miners: dict[str, MinerRound] = {}
+
+    def next_round(self) -> RoundAccumulator:
+        """The accumulator of the round after this one, which counts this round's requests at full speed toward
+        the load allowance (this round's own: never carried twice)."""
+        shown = {hk: row.shown_speed for hk, row in self.miners.items() if row.shown_speed}
+        return RoundAccumulator(self.cfg, audits=self.audits, shown_before=shown)
 
     def add(self, m: Measurement) -> float | None:
         """Fold one measurement in; returns its credit (None when excluded)."""
         row = self.miners.get(m.hotkey)
         if row is None:
-            row = self.miners[m.hotkey] = MinerRound(hotkey=m.hotkey, uid=m.uid)
+            row = self.miners[m.hotkey] = MinerRound(hotkey=m.hotkey, uid=m.uid,
+                                                     shown_before=self.shown_before.get(m.hotkey, 0))
         row.uid = m.uid
         row.requests += 1
         if m.probe:

@@ -218,7 +218,8 @@ class Scorer:
         ended_at = self.clock() if now is None else now
         length = round_s if round_s is not None else ended_at - self._round_started
         self._round_started = ended_at
-        acc, self._round = self._round, RoundAccumulator(self.config, audits=self.audits)
+        acc = self._round
+        self._round = acc.next_round()
         dropped, self._dropped = self._dropped, 0
         round_scores = acc.scores()
         pays = {hk: RoundPay(verified=round_value(row.verified_work_s, row.score, length),

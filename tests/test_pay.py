@@ -162,6 +162,32 @@ def test_load_allowance_needs_shown_speed_and_stops_at_declared_slots() -> None:
     assert over.miners["over"].score == pytest.approx(SHOWN_SPEED_MIN / (SHOWN_SPEED_MIN + 5))
 
 
+def test_the_load_allowance_counts_the_speed_shown_over_two_rounds_and_no_more() -> None:
+    """Issue 38: a round of two user requests found a loaded honest card busy both times and credited it 0.33 (0.06
+    off its settled credit), one round after it had shown its full speed four times. The round after still allows for
+    the load; the one after that, with no speed shown again, does not (a card keeps it only by showing its speed)."""
+    loaded = answer("card", tokens=256, max_tokens=256, ttft=CFG.full_band_s, rate=300.0 / 2, slots=4)
+    fast = dataclasses.replace(loaded, latency_s=CFG.full_band_s + 255 / 440.0)
+    scorer = Scorer(CFG)
+    for _ in range(SHOWN_SPEED_MIN):
+        scorer.record(fast)
+    scorer.close_round(round_s=60.0)
+    scores = []
+    for _ in range(2):
+        for _ in range(2):
+            scorer.record(loaded)
+        scores.append(scorer.close_round(round_s=60.0).rows[0].credit)
+    assert scores == [pytest.approx(1.0), 0.0]
+    # one fast answer in each of two rounds is the two the allowance asks for; one in one round is not
+    for _ in range(SHOWN_SPEED_MIN - 1):
+        scorer.record(fast)
+    scorer.record(loaded)
+    assert scorer.close_round(round_s=60.0).rows[0].credit == pytest.approx(0.5)  # one fast, one judged alone: 0
+    scorer.record(fast)
+    scorer.record(loaded)
+    assert scorer.close_round(round_s=60.0).rows[0].credit == pytest.approx(1.0)  # two over two rounds: allowed
+
+
 def test_one_card_split_across_hotkeys_earns_what_it_earns_as_one() -> None:
     rng = random.Random(3)
     one, split = Scorer(CFG), Scorer(CFG)
