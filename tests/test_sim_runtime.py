@@ -186,6 +186,19 @@ async def test_single_stream_decode_about_440() -> None:
     assert len(tr.token_times) < tr.tokens / 3
 
 
+async def test_a_late_wake_up_before_the_first_token_does_not_stretch_the_stream() -> None:
+    """The card's decode runs from when its first token was due, not from when this machine's loop got round to it:
+    a GPU does not wait for the validator's CPU. Stretched, a stream stays active longer and slows the card's other
+    streams, and beside CPU hogs a card carrying other validators' streams read fewer cards (issue 38)."""
+    rt = card(time_scale=TS)
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.05, time.sleep, 0.3)  # the loop stalls 0.3 s during the first token's wait (0.11 s)
+    tr = await run(rt, body(max_tokens=800))  # 799 tokens at 440 tok/s: 0.45 s of decode after the first token
+    assert tr.tokens == 800
+    assert tr.first >= 0.3  # the first token came late: the stall held it
+    assert tr.last <= 0.6, tr.last  # and the decode caught up: due at 0.57 s; stretched it would end at 0.8 s
+
+
 def _aggregate_rate(traces: list[Trace]) -> float:
     """Tokens per simulated second over the window in which every stream was decoding."""
     lo = max(t.first for t in traces)
