@@ -53,8 +53,8 @@ from .protocol.errors import (
     overloaded,
     shutting_down,
 )
+from .protocol.miner_request import choice_request
 from .protocol.openai import ChatRequest
-from .protocol.sampling import GOLDEN, SEED_MAX, is_seed
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, fold_tool_calls, frame
 from .router import Lease, Router, request_work
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
@@ -67,16 +67,6 @@ _IDS = random.Random()  # response ids need to be unique, not secret: no urandom
 
 def _completion_id(req: ChatRequest) -> str:
     return f"{'cmpl' if req.completion else 'chatcmpl'}-{_IDS.getrandbits(128):032x}"
-
-
-def choice_payload(req: ChatRequest, index: int) -> dict[str, Any]:
-    """What the miner of answer ``index`` is asked: the request, with a client's seed moved along for every answer
-    after the first (each of n answers is its own draw, and a seeded request still repeats exactly)."""
-    payload = req.upstream_payload()
-    seed = payload.get("seed")
-    if index and isinstance(seed, int) and is_seed(seed):
-        payload["seed"] = (seed + index * GOLDEN) & SEED_MAX
-    return payload
 
 
 MIN_ATTEMPT_S = 1.0  # a retry is not started with less of the first-byte budget left than this
@@ -252,7 +242,7 @@ class Relay:
 
         Raises :class:`GatewayError` when no miner produced a byte, :class:`_Broken` when the stream failed after.
         """
-        payload = choice_payload(req, index)
+        request = choice_request(req, index)
         tried: set[int] = set()
         failures: list[UpstreamError] = []
         rejected: list[UpstreamError] = []  # miners that called the request the client's fault
@@ -275,7 +265,7 @@ class Relay:
             stream: UpstreamStream | None = None
             try:
                 try:
-                    stream = await self.upstream.open(lease, payload, timeouts=timeouts, held=not req.stream)
+                    stream = await self.upstream.open(lease, request, timeouts=timeouts, held=not req.stream)
                 except UpstreamError as e:
                     if e.reason == FailureReason.LOCAL_RESOURCES:  # every other miner would fail the same way
                         self.outcomes["503"] += 1

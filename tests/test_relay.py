@@ -575,13 +575,17 @@ async def test_one_of_n_answers_failing_mid_stream_ends_the_response_with_an_err
 
 
 def test_each_of_n_answers_is_its_own_draw_of_a_seeded_request():
+    from gateway.protocol.miner_request import choice_request
     from gateway.protocol.openai import SchemaLimits, parse_chat_request
-    from gateway.relay import choice_payload
 
     req = parse_chat_request(body(n=3, seed=42, temperature=0.9), SchemaLimits(models=(MODEL,)))
-    seeds = [choice_payload(req, i)["seed"] for i in range(3)]
-    assert seeds[0] == 42 and len(set(seeds)) == 3 and seeds == [choice_payload(req, i)["seed"] for i in range(3)]
-    assert "seed" not in choice_payload(parse_chat_request(body(n=2), SchemaLimits(models=(MODEL,))), 1)
+    asked = [choice_request(req, i) for i in range(3)]
+    seeds = [a.client_seed for a in asked]
+    assert seeds[0] == 42 and len(set(seeds)) == 3 and seeds == [choice_request(req, i).client_seed for i in range(3)]
+    assert all(a.fields["seed"] == a.client_seed == a.sampling.seed for a in asked)  # typed once, as on the wire
+    assert all(a.max_tokens == req.max_tokens and a.sampling.temperature == 0.9 for a in asked)
+    unseeded = choice_request(parse_chat_request(body(n=2), SchemaLimits(models=(MODEL,))), 1)
+    assert "seed" not in unseeded.fields and unseeded.client_seed is None
 
 
 def test_each_cancel_excuses_one_refusal_within_the_grace() -> None:

@@ -18,6 +18,7 @@ from gateway.protocol.measurement import FailureReason, Measurement, Measurement
 from ..buckets import DECODE_BOUNDS_TOK_S, TTFT_BOUNDS_S, Buckets
 from ..http.client import MinerClient
 from ..metering import AnswerBudget
+from ..protocol.miner_request import MinerRequest
 from ..protocol.openai import SUBNET_SAMPLER
 from ..protocol.signing import RequestSigner
 from ..router import Lease, MinerState
@@ -76,21 +77,24 @@ class Upstream:
         self.excuses = CancelExcuses(self.limits.drain_grace_s)  # 429s just after we cancelled are the miner draining
         self._draining: set[asyncio.Task[bytes]] = set()
 
-    async def open(self, lease: Lease, payload: dict[str, Any], *, probe: bool = False,
+    async def open(self, lease: Lease, request: MinerRequest | dict[str, Any], *, probe: bool = False,
                    timeouts: UpstreamTimeouts | None = None, capacity_check: bool = False,
                    held: bool = False) -> UpstreamStream:
-        """Sign and POST ``payload`` (made the miner body: streamed, with usage) to the lease's miner.
+        """Sign and POST ``request`` (made the miner body: streamed, with usage) to the lease's miner; a dict (a
+        probe's body, a tool's) is read into a :class:`MinerRequest` here, once.
 
         Returns once the miner answered 200 with an event stream. Raises :class:`UpstreamError`
         (measurement recorded) for busy, connect errors, non-200, timeouts before headers. ``held``: the
         caller holds the whole answer (non-streamed), so its text counts against :attr:`answers`.
         """
-        stream = UpstreamStream(self, lease, payload, probe=probe, timeouts=timeouts or self.timeouts,
+        if not isinstance(request, MinerRequest):
+            request = MinerRequest.of(request, self.limits.default_max_tokens)
+        stream = UpstreamStream(self, lease, request, probe=probe, timeouts=timeouts or self.timeouts,
                                 capacity_check=capacity_check, held=held)
         await stream.connect()
         return stream
 
-    async def probe(self, lease: Lease, payload: dict[str, Any], *,
+    async def probe(self, lease: Lease, payload: MinerRequest | dict[str, Any], *,
                     timeouts: UpstreamTimeouts | None = None, capacity_check: bool = False) -> Measurement:
         """A probe: the organic code path, consumed to the end. Never raises for miner failures.
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gateway.protocol.measurement import Answer, FailureReason, Measurement
 
 from ..metering import StreamMeter
+from ..protocol.miner_request import MinerRequest
 from ..protocol.sampling import SamplingParams
 from ..protocol.tools import prompt_messages
 
@@ -31,8 +32,7 @@ def measurement_of(s: UpstreamStream, failure: FailureReason | None, latency_s: 
         failure=failure,
         probe=s.probe,
         concurrency=meter.decode_concurrency(),
-        answer=answer_of(s.payload, s.sampling, s.max_tokens, meter) if failure is None and meter.keep_answer
-        else None,
+        answer=answer_of(s.request, s.sampling, meter) if failure is None and meter.keep_answer else None,
         finish_reason=meter.finish_reason if failure is None else None,
         slots=s.lease.slots_at_dispatch,
         capacity_check=s.capacity_check,
@@ -42,15 +42,14 @@ def measurement_of(s: UpstreamStream, failure: FailureReason | None, latency_s: 
     )
 
 
-def answer_of(payload: dict[str, Any], sampling: SamplingParams, max_tokens: int, meter: StreamMeter) -> Answer:
+def answer_of(request: MinerRequest, sampling: SamplingParams, meter: StreamMeter) -> Answer:
     """The complete answer as the client received it, with the ids the miner said spell it and the prompt it
     conditioned on (tools and tool turns written out: :func:`gateway.protocol.tools.prompt_messages`)."""
-    stop = payload.get("stop")
     return Answer(
-        messages=prompt_messages(payload),
+        messages=prompt_messages(request.fields),
         sampling=sampling,
-        max_tokens=max_tokens,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        max_tokens=request.max_tokens,
+        stop=request.stop,
         text="".join(meter.text),
         token_ids=tuple(meter.ids) if meter.ids_complete and meter.ids else None,
         finish_reason=meter.finish_reason,

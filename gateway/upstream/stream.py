@@ -12,7 +12,7 @@ import asyncio
 import secrets
 from dataclasses import replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 from loguru import logger
@@ -21,10 +21,10 @@ from gateway.protocol.auditable import audit_skip
 from gateway.protocol.measurement import FailureReason, Measurement
 
 from ..metering import MeterFailure, StreamMeter
-from ..protocol.openai import SAMPLER_HEADER, SLOTS_HEADER, encode_body, miner_body, requested_max_tokens
-from ..protocol.sampling import SamplingParams, wire_seed
+from ..protocol.miner_request import MinerRequest
+from ..protocol.openai import SAMPLER_HEADER, SLOTS_HEADER, encode_body, miner_body
+from ..protocol.sampling import wire_seed
 from ..protocol.sse import ChunkInfo
-from ..protocol.tokens import estimate_prompt_tokens
 from ..router import Lease
 from .config import UpstreamTimeouts
 from .connect import ConnectFailed, check_head, post_signed
@@ -43,7 +43,7 @@ class UpstreamStream:
     cancelled) closes the miner connection at once and records ``client_disconnect``.
     """
 
-    def __init__(self, upstream: Upstream, lease: Lease, payload: dict[str, Any], *, probe: bool,
+    def __init__(self, upstream: Upstream, lease: Lease, request: MinerRequest, *, probe: bool,
                  timeouts: UpstreamTimeouts, capacity_check: bool = False, held: bool = False) -> None:
         self._up = upstream
         self._loop = asyncio.get_running_loop()
@@ -53,21 +53,21 @@ class UpstreamStream:
         self.hotkey = lease.miner.hotkey
         self.probe = probe
         self.capacity_check = capacity_check
-        self.payload = payload
+        self.request = request
         self._tmo = timeouts
         limits = upstream.limits
-        self.max_tokens = requested_max_tokens(payload, limits.default_max_tokens)
-        seed = wire_seed(payload.get("seed"), upstream.seed_key, secrets.randbits(64)) \
+        self.max_tokens = request.max_tokens
+        seed = wire_seed(request.client_seed, upstream.seed_key, secrets.randbits(64)) \
             if limits.seeded_sampling else None
-        body = miner_body(payload, self.max_tokens, seed)
         # What the miner was asked for. Every miner gets the seed (so a seed marks no traffic, and a stock runtime
         # honours a client's seed with its own RNG), but only one that declared the subnet's sampler draws with it:
         # the others' sampled answers are free draws (no seed here), audited for plausibility and not paid.
-        sampling = SamplingParams.of(body)
+        sampling = request.sampling if seed is None else replace(request.sampling, seed=seed)
         self.sampling = sampling if lease.miner.declares_sampler else replace(sampling, seed=None)
-        self.prompt_tokens = estimate_prompt_tokens(body.get("messages"))
-        self.skipped = audit_skip(body, sampling.greedy, tools=limits.audit_tools, model=limits.audited_model)
-        self._body = encode_body(body)
+        self.prompt_tokens = request.prompt_tokens
+        self.skipped = audit_skip(request.fields, sampling.greedy, tools=limits.audit_tools,
+                                  model=limits.audited_model)
+        self._body = encode_body(miner_body(request.fields, self.max_tokens, seed))
         keep = limits.keep_answers and self.skipped is None  # an answer no audit can check is not kept for one
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,
                                  max_content_chars=limits.max_content_chars, keep_answer=keep,

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gateway.metering import StreamMeter  # noqa: E402
 from gateway.protocol.measurement import Answer  # noqa: E402
+from gateway.protocol.miner_request import MinerRequest  # noqa: E402
 from gateway.protocol.openai import SUBNET_SAMPLER, TOOLS  # noqa: E402
-from gateway.protocol.sampling import SamplingParams  # noqa: E402
 from gateway.protocol.tools import call_text  # noqa: E402
 from gateway.upstream.record import answer_of  # noqa: E402
 from neurons.miner.runtimes.proxy import ProxyRuntime  # noqa: E402
@@ -149,7 +149,8 @@ async def answer(rt: ProxyRuntime, body: dict[str, Any]) -> tuple[Answer, float]
         meter.feed(frames, now=time.monotonic() - start)
     if not (meter.done and meter.ids_complete):
         raise RuntimeError("the stream ended without its token ids")
-    return answer_of(body, SamplingParams.of(body), body["max_tokens"], meter), time.monotonic() - start
+    request = MinerRequest.of(body)
+    return answer_of(request, request.sampling, meter), time.monotonic() - start
 
 
 async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], reference: LlamaEngine,
