@@ -195,3 +195,49 @@ def test_a_switch_that_is_also_a_table_is_enabled_in_it(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as e:
         parse_args(["--local", "--config", str(f)], {})
     assert e.value.code == 2
+
+
+def test_each_validator_setting_is_declared_once_as_a_field(tmp_path: Path) -> None:
+    """Issue 40: a setting was a config field with its default and a flag with the same default, its range in a table
+    apart. Now the field is the one declaration: every field is a flag, and one declared field is at once a flag, a
+    variable and a file key, its bounds checked from each."""
+    import argparse
+    import dataclasses
+
+    from neurons.config_fields import add_flags, config_of, setting
+    from neurons.settings import add_config_flag, resolve
+    from neurons.validator.config import ValidatorConfig, build_parser
+
+    parser = build_parser()
+    assert {a.dest for a in parser._actions} - {"help", "config"} == {f.name for f in dataclasses.fields(
+        ValidatorConfig)}
+    assert all(a.help for a in parser._actions)
+
+    @dataclasses.dataclass
+    class Demo:
+        port: int = setting(8000, flag="gateway.port", group="gateway", type=int, bounds=(1, 65535), help="bind port")
+        check: bool = setting(True, flag="probes.check", kind="onoff", help="checks on or off")
+        peers: list[str] = setting(flag="peer", kind="append", factory=list, help="repeatable")
+
+    demo = argparse.ArgumentParser()
+    add_config_flag(demo, "DEMO_")
+    add_flags(demo, Demo, groups=("gateway",))
+
+    def parse(argv: list[str], env: dict[str, str]) -> Demo:
+        values = vars(resolve(demo, argv, env=env, prefix="DEMO_"))
+        values.pop("config")
+        return config_of(values, Demo)
+
+    assert parse(["--peer", "a"], {"DEMO_GATEWAY_PORT": "8001"}) == Demo(port=8001, check=True, peers=["a"])
+    toml = tmp_path / "demo.toml"
+    toml.write_text('[probes]\ncheck = "off"\n')
+    assert parse(["--config", str(toml)], {}).check is False
+    with pytest.raises(SystemExit):  # the declared bounds, from the environment too
+        parse([], {"DEMO_GATEWAY_PORT": "0"})
+
+    @dataclasses.dataclass
+    class Unbounded:
+        n: int = setting(1, flag="n", type=int, help="a number that says nothing of its range")
+
+    with pytest.raises(KeyError):  # a number setting must say what it accepts
+        add_flags(argparse.ArgumentParser(), Unbounded, groups=())
