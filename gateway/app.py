@@ -39,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from loguru import logger
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 
 from .admission import AdmissionQueue
 from .asgi import ClientGone, Message, Receive, Scope, Send, send_json
 from .auth import ApiKeyAuth, load_keys
+from .client_metrics import ClientSeries
 from .hooks import GatewayHooks
 from .http.server import HttpServer
 from .metrics import METRICS_KEY_ENV, GatewayCollector
@@ -149,6 +150,7 @@ class Gateway:
         self.limits = SchemaLimits(models=tuple(config.models), default_max_tokens=config.default_max_tokens,
                                    max_tokens_cap=config.max_tokens_cap)
         self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
+        self.clients = ClientSeries()  # what clients saw, per model and key (organic only)
         self.relay = Relay(config.relay_config(), router, upstream, self.outcomes)
         self.routes: dict[str, dict[str, Route]] = {
             CHAT_PATH: {"POST": functools.partial(completions.chat, self)},
@@ -163,6 +165,9 @@ class Gateway:
         self.metrics = GatewayCollector(self)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.metrics)
+        ProcessCollector(registry=self.registry)  # process_* (CPU, memory, file descriptors), as exporters name them
+        GCCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self._server: HttpServer | None = None
         self.stopping = False  # stop() began: new completion requests get 503 shutting_down
         self._serving = 0  # completion requests admitted and not yet answered

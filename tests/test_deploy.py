@@ -63,7 +63,7 @@ def _family(name: str) -> str:
 
 
 async def test_the_dashboard_asks_only_for_metrics_the_validator_exports(tmp_path: Path) -> None:
-    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
     from neurons.keys import dev_keypair
@@ -74,16 +74,16 @@ async def test_the_dashboard_asks_only_for_metrics_the_validator_exports(tmp_pat
 
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "tensorgate.json").read_text())
     wanted = {_family(m) for panel in dashboard["panels"] for t in panel["targets"]
-              for m in re.findall(r"tensorgate_\w+", t["expr"])}
+              for m in re.findall(r"\b(?:tensorgate|gen_ai|process)_\w+", re.sub(r"by \([^)]*\)", "", t["expr"]))}
     assert len(dashboard["panels"]) >= 10 and len(wanted) >= 10
+    assert {"gen_ai_server_time_to_first_token_seconds", "gen_ai_client_token_usage", "process_cpu_seconds"} <= wanted
     v = build_validator(ValidatorConfig(state_dir=tmp_path, gateway_port=0, audit_model="toy"), FakeChain([]),
                         dev_keypair("Alice"))
     await v.sync_metagraph()
     v.weights.last_block = 100  # as after a first submission: until then the family is left out
     v.gateway.metrics.add(lambda: validator_families(v))  # as Validator.start plugs it
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(v.gateway.metrics)  # the gateway's families and the validator's, as /metrics serves them
-    exported = {_family(f.name) for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    # the gateway's families, the process's and the validator's, as /metrics serves them
+    exported = {_family(f.name) for f in text_string_to_metric_families(generate_latest(v.gateway.registry).decode())}
     assert wanted <= exported, sorted(wanted - exported)
 
 

@@ -61,6 +61,29 @@ async def test_metrics_after_known_traffic(make_miner, make_gateway, tmp_path) -
         assert got[(f"{name}_bucket", (("le", "+Inf"), ("uid", ok_uid)))] == served
         assert got[(f"{name}_sum", (("uid", ok_uid),))] > 0
     assert got[("tensorgate_miner_decode_tokens_per_second_count", (("uid", bad_uid),))] == 0  # garbage: no rate
+    # what clients saw (issue 41): by the model asked for, organic only, in the GenAI conventions' names
+    model = (("gen_ai_request_model", "tensorgate/sim-5090"),)
+    answered = statuses.count(200)
+    assert answered >= 1
+    for name in ("gen_ai_server_time_to_first_token_seconds", "gen_ai_server_request_duration_seconds"):
+        assert got[(f"{name}_count", model)] == answered
+        assert got[(f"{name}_sum", model)] > 0
+    assert got[("gen_ai_server_request_duration_seconds_sum", model)] >= \
+        got[("gen_ai_server_time_to_first_token_seconds_sum", model)]
+    usage = {kind: got[("gen_ai_client_token_usage_total", (("gen_ai_request_model", "tensorgate/sim-5090"),
+                                                            ("gen_ai_token_type", kind), ("key", "alice")))]
+             for kind in ("input", "output")}
+    assert usage["output"] == 3 * answered and usage["input"] > 0
+    assert got[("process_cpu_seconds_total", ())] > 0 and got[("process_resident_memory_bytes", ())] > 0
+    lease = h.router.acquire_uid(int(ok_uid))  # a probe: the validator's own request, not a client's
+    assert lease is not None
+    probed = await h.upstream.probe(lease, body(max_tokens=3))
+    h.router.release(lease, served=probed.ok)
+    async with h.client.get(h.base_url + "/metrics") as r:
+        again = _samples(await r.text())
+    assert probed.ok and again[("tensorgate_miner_ok_total", (("uid", ok_uid),))] == served + 1
+    for name in ("gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_request_duration_seconds_count"):
+        assert again[(name, model)] == answered  # clients' series: the probe is not in them
 
 
 def _call(app: Gateway, client: str, headers: list[tuple[bytes, bytes]]) -> Any:

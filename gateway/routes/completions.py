@@ -19,6 +19,7 @@ from loguru import logger
 
 from ..answer_headers import answer_headers
 from ..asgi import BodyTimeout, ClientGone, MalformedBody, Receive, Scope, Send
+from ..client_metrics import FirstByte
 from ..protocol.errors import (
     GatewayError,
     bad_request,
@@ -127,6 +128,7 @@ async def _claim_day(gw: Gateway, policy: KeyPolicy, ticket: Ticket | Any) -> No
 
 async def chat(gw: Gateway, scope: Scope, headers: dict[str, str], receive: Receive, send: Send,
                parse: Callable[[Any, SchemaLimits], ChatRequest] = parse_chat_request) -> None:
+    arrived = time.monotonic()
     if gw.stopping:  # a kept-alive connection asking during the drain: another replica should serve it
         raise shutting_down()
     policy = gw.authorize(headers)  # from the head: an unauthenticated client cannot make us read its body
@@ -151,8 +153,11 @@ async def chat(gw: Gateway, scope: Scope, headers: dict[str, str], receive: Rece
         try:
             await _claim_day(gw, policy, ticket)
             await gw.admission.admit(policy.name)  # every slot busy: a short wait, fair across keys, or the 429
-            used = counted + await gw.relay.serve(req, answer_headers(send, req, ratelimit_headers(
+            first = FirstByte(send)
+            used = counted + await gw.relay.serve(req, answer_headers(first, req, ratelimit_headers(
                 policy, ticket.standing)))
+            gw.clients.observe(req.model, policy.name, ttft_s=None if first.at is None else first.at - arrived,
+                               latency_s=time.monotonic() - arrived, input_tokens=counted, output_tokens=used - counted)
         except GatewayError:
             used = 0  # no miner answered: nothing was served
             raise
