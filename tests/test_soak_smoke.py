@@ -283,8 +283,9 @@ def test_a_card_that_serves_one_hotkeys_checks_after_the_others_earns_that_hotke
 # Targets of the adversarial smoke whose margin is inside the noise of 8 rounds: judged over the full run's 3 seeds
 # (docs/pages/performance.md), printed here. Over the full runs (2026-12-06, quiet and beside two CPU hogs, figures
 # there): the self-dealer, the honest card with invisible load, identical honest cards, the honest card with a 50 ms
-# first token, and the two groups made of an honest card and a sibling served after it (their weight is that card's
-# plus the sibling's 0.00-0.06: their margin is the honest card's own noise; the sibling is judged alone above).
+# first token, and the two groups made of an honest card and a sibling served after it (judged there on the sibling
+# alone, at most 0.1 of an honest card: the group's total carries the honest card's own noise; here on the sibling
+# alone too, above, at 0.2 over the smoke's 8 rounds).
 STATISTICAL = ("cheater 'self-dealer'", "honest card with invisible load", "identical honest cards",
                "honest card with a 50 ms first token", "cheater 'split-serial'", "cheater 'split-stall'")
 

@@ -25,6 +25,10 @@ CREDIT_TOLERANCE = 0.03  # identical cards: final settled scores within 0.03
 CAPACITY_CREDIT_SLACK = 0.01  # "without a lower credit": measurement noise allowance, stated in the line
 CHEAT_BOUND = 1.0  # a cheater's final weight over an honest card's (mean of the unloaded honest cards)
 SPLIT_BOUND = 1.05  # one card as several hotkeys, all of them together, over the same card as one hotkey
+# A hotkey its card serves only after its other hotkey, which serves honestly: its own weight over an honest card's.
+# The group's total is that honest hotkey's weight, whose noise over a 12-round run (identical cards up to 1.14x)
+# is larger than SPLIT_BOUND's margin, plus this sibling's: the cheat's gain is the sibling's alone.
+AFTER_SIBLING_BOUND = 0.1
 NO_WORK_BOUND = 0.1  # a cheater with no real work to show (probes only, two-token answers): ~0
 BACKGROUND_CREDIT_TOLERANCE = 0.05  # settled credit of a card carrying other validators' load vs unloaded
 BACKGROUND_WEIGHT_FLOOR = 0.85  # ... and its weight over an unloaded honest card's
@@ -176,6 +180,16 @@ def _adversarial_targets(sc: Scenario, S: dict[str, MinerSeries]) -> list[Target
     for name, labels in groups.items():
         w = sum(S[x].weight[-1] for x in labels)
         ratio = w / honest_w if honest_w > 0 else math.inf
+        after = [x for x in labels if x in sc.after_siblings]
+        if after:  # judged on the sibling served after the card's honest hotkey (AFTER_SIBLING_BOUND)
+            ws = sum(S[x].weight[-1] for x in after)
+            rs = ws / honest_w if honest_w > 0 else math.inf
+            out.append(Target(f"cheater {name!r} ({len(labels)} hotkeys on one card, {', '.join(after)} served "
+                              f"after the other) earns <= {AFTER_SIBLING_BOUND}x an honest card's weight on "
+                              f"{', '.join(after)}", rs <= AFTER_SIBLING_BOUND,
+                              f"weight {ws:.4f} vs honest {honest_w:.4f}: {rs:.3f}x; the group {w:.4f}: "
+                              f"{ratio:.2f}x (its honest hotkey's noise included)"))
+            continue
         bound = NO_WORK_BOUND if CHEATERS[name] else SPLIT_BOUND if len(labels) > 1 else CHEAT_BOUND
         what = f"{len(labels)} hotkeys on one card" if len(labels) > 1 else "one hotkey"
         out.append(Target(f"cheater {name!r} ({what}) ends at <= {bound}x an honest card's weight", ratio <= bound,

@@ -110,6 +110,8 @@ class Scenario:
     background: str | None = None  # adversarial: the honest card with invisible load
     fast_first: str | None = None  # adversarial: an honest card whose first token comes at once (same work)
     same_card: tuple[tuple[str, str], ...] = ()  # adversarial: (cheater, the same card serving honestly)
+    # adversarial: hotkeys a card serves only after its other hotkey (honest itself): the cheat's gain is theirs
+    after_siblings: tuple[str, ...] = ()
     self_dealing_interval_s: float = 0.0  # > 0: a key holder sends its own long prompts this often (simulated)
     audits: bool = False  # audit answers on the simulated cards' toy model, as the local subnet does
     # This scenario's time scale where it must differ from the run's default (see :func:`time_scale`).
@@ -216,6 +218,7 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
         background="honest-bg",
         fast_first="honest-fast",
         same_card=(("half-burst", "half-honest"),),
+        after_siblings=("split-serial/1", "split-stall/1"),
         self_dealing_interval_s=2.0,
         audits=True,
     )
