@@ -175,18 +175,7 @@ class StreamMeter:
                     raise MeterFailure(FailureReason.GARBAGE, f"more than {self.max_chars} characters of text for "
                                                               f"max_tokens={self.max_tokens}")
                 if self.budget is not None:
-                    cost = len(text) + HELD_CHUNK_OVERHEAD
-                    if self.budget.take(cost):
-                        self.held += cost
-                    elif self.must_hold:
-                        raise MeterFailure(FailureReason.LOCAL_RESOURCES,
-                                           f"the gateway already holds {self.budget.held} characters of answers")
-                    else:  # only kept for a possible audit: stop keeping it, the stream goes on
-                        self.release()
-                        self.budget, self.keep_answer = None, False
-                        self.text.clear()
-                        self.ids.clear()
-                        self.calls.clear()
+                    self._hold(self.budget, len(text) + HELD_CHUNK_OVERHEAD)
                 if not ids:
                     self.ids_complete = False
                 if self.keep_answer:
@@ -204,6 +193,22 @@ class StreamMeter:
             if chunk.usage is not None:
                 self.usage = chunk.usage
             out.append(chunk)
+
+    def _hold(self, budget: AnswerBudget, cost: int) -> None:
+        """Count ``cost`` characters against the answers' budget. Over it, an answer the client waits for whole
+        fails (the gateway's own memory, not the miner's fault); one kept only for a possible audit stops being
+        kept, and the stream goes on."""
+        if budget.take(cost):
+            self.held += cost
+        elif self.must_hold:
+            raise MeterFailure(FailureReason.LOCAL_RESOURCES,
+                               f"the gateway already holds {budget.held} characters of answers")
+        else:
+            self.release()
+            self.budget, self.keep_answer = None, False
+            self.text.clear()
+            self.ids.clear()
+            self.calls.clear()
 
     def release(self) -> None:
         """Give the held characters back to the budget (the stream ended; idempotent)."""

@@ -46,16 +46,14 @@ from gateway.protocol.measurement import FailureReason
 from .asgi import Send, send_json
 from .protocol.errors import (
     GatewayError,
-    bad_gateway,
     bad_request,
-    gateway_timeout,
-    no_capacity,
     overloaded,
     shutting_down,
 )
 from .protocol.miner_request import choice_request
 from .protocol.openai import ChatRequest
 from .protocol.sse import DONE_FRAME, ChunkFramer, ChunkInfo, fold_tool_calls, frame
+from .reply import Reply, exhausted, mid_stream_error
 from .router import Lease, Router, request_work
 from .upstream import Upstream, UpstreamError, UpstreamStream, UpstreamTimeouts
 
@@ -82,32 +80,6 @@ class RelayConfig:
     # first_token deadline). Without it three miners that stall before their first byte cost a client
     # 3 x 30 s before a 504.
     first_byte_budget_s: float = 30.0
-
-
-class Reply:
-    """The client's one response, shared by a request's answers: the head goes out with the first frames any
-    answer commits, each answer writes its frames as they come, the usage and ``[DONE]`` go after the last."""
-
-    def __init__(self, send: Send, served_by_header: str, n: int) -> None:
-        self._send = send
-        self._header = served_by_header.lower().encode("latin-1")
-        self.started = False
-        self._lock = asyncio.Lock() if n > 1 else None  # answers write whole messages, one at a time
-
-    async def write(self, data: bytes, uid: int, *, last: bool = False) -> None:
-        if self._lock is None:
-            await self._write(data, uid, last)
-            return
-        async with self._lock:
-            await self._write(data, uid, last)
-
-    async def _write(self, data: bytes, uid: int, last: bool) -> None:
-        if not self.started:
-            self.started = True
-            await self._send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no"), (self._header, str(uid).encode())]})
-        await self._send({"type": "http.response.body", "body": data, "more_body": not last})
 
 
 class _Broken(Exception):
@@ -267,9 +239,7 @@ class Relay:
                 try:
                     stream = await self.upstream.open(lease, request, timeouts=timeouts, held=not req.stream)
                 except UpstreamError as e:
-                    if e.reason == FailureReason.LOCAL_RESOURCES:  # every other miner would fail the same way
-                        self.outcomes["503"] += 1
-                        raise overloaded() from None
+                    self._raise_if_ours(e)
                     if e.reason == FailureReason.CLIENT_REJECTED:
                         rejected.append(e)
                         if len(rejected) >= 2:  # two miners agree: the client's 400
@@ -284,9 +254,7 @@ class Relay:
                     try:
                         await consume(stream)
                     except UpstreamError as e:  # raised only while the client has seen no byte: try another
-                        if e.reason == FailureReason.LOCAL_RESOURCES:  # the gateway's memory, not the miner
-                            self.outcomes["503"] += 1
-                            raise overloaded() from None
+                        self._raise_if_ours(e)
                         failures.append(e)
                         continue
                     served = stream.ok
@@ -297,7 +265,14 @@ class Relay:
                 self.router.release(lease, served=served)
         if rejected and not failures:
             raise self._rejected(rejected)  # no other miner was there to say otherwise
-        raise _exhausted(failures)
+        raise exhausted(failures)
+
+    def _raise_if_ours(self, e: UpstreamError) -> None:
+        """A failure of the gateway's own resources (its memory for answers): every other miner would fail the same
+        way, so the client gets the 503 now."""
+        if e.reason == FailureReason.LOCAL_RESOURCES:
+            self.outcomes["503"] += 1
+            raise overloaded() from None
 
     async def _acquire(self, req: ChatRequest, tried: set[int], wait_until: float) -> Lease | None:
         """A lease on a miner for ``req`` not yet ``tried``; with shared leases, held subnet-wide too.
@@ -370,7 +345,7 @@ class Relay:
                     await reply.write(b"".join(parts), stream.uid)
                     parts.clear()
         except UpstreamError as e:
-            raise _Broken(_mid_stream_error(e), stream.tokens) from None
+            raise _Broken(mid_stream_error(e), stream.tokens) from None
         return b"".join(parts)
 
     def _frames(self, out: ChunkFramer, chunks: list[ChunkInfo], parts: list[bytes], *, first: bool = False,
@@ -451,26 +426,3 @@ async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
 def _has_content(chunks: list[ChunkInfo]) -> bool:
     """Whether these chunks commit a stream to its miner: nothing is sent before content (or a finish)."""
     return any(ch.content or ch.tool_calls or ch.finish_reason is not None for ch in chunks)
-
-
-def _exhausted(failures: list[UpstreamError]) -> GatewayError:
-    """The answer when no miner produced a byte: 429 when none had room, else 504/502 by the last failure."""
-    if not failures:
-        return no_capacity("no miner is available for this request; retry shortly")
-    real = [f for f in failures if f.reason not in (FailureReason.BUSY, FailureReason.REFUSED)]
-    if not real:
-        return no_capacity(f"all {len(failures)} miners tried are busy; retry shortly")
-    last = real[-1]
-    if last.reason == FailureReason.LOCAL_RESOURCES:
-        return overloaded()
-    if last.reason == FailureReason.TIMEOUT:
-        return gateway_timeout(f"the miner did not answer in time ({len(failures)} tried)")
-    return bad_gateway(f"the miner failed before answering: {last.reason} ({len(failures)} tried)")
-
-
-def _mid_stream_error(e: UpstreamError) -> GatewayError:
-    if e.reason == FailureReason.SHUTDOWN:
-        return shutting_down("the gateway is shutting down; the answer is cut here (retry for the rest)")
-    if e.reason == FailureReason.TIMEOUT:
-        return gateway_timeout("the miner stalled mid-answer")
-    return bad_gateway(f"the miner failed mid-answer: {e.reason}", code="upstream_failed_mid_stream")

@@ -51,185 +51,16 @@ from __future__ import annotations
 
 import math
 import random
-from bisect import bisect_right
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from itertools import accumulate
 
+from .miner_state import Candidate, Lease, MinerState
+from .weighted_bucket import WeightedBucket, weighted_choice
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A routable miner as the metagraph describes it."""
-
-    uid: int
-    hotkey: str
-    endpoint: str
-    slots: int = 1
-
-
-@dataclass(slots=True, eq=False)
-class MinerState:
-    """Live routing state of one miner. Identity matters: a lease points at the exact object."""
-
-    uid: int
-    hotkey: str
-    endpoint: str
-    slots: int
-    score: float | None = None  # None: not measured yet, routed at the prior
-    in_flight: int = 0
-    delivering: int = 0  # streams in flight that have sent content: the load a miner cannot fake by hanging
-    # The other gateway processes' requests on it, and how many of those deliver (gateway.shared.leases; 0 with one
-    # process): least-in-flight, declared slots and the decode concurrency a rate is judged at are subnet-wide.
-    elsewhere: int = 0
-    elsewhere_delivering: int = 0
-    served: int = 0
-    passes: float = 0.0  # stride-scheduling pass: grows by 1/score per dispatch
-    quarantined: bool = False  # failed its audits: out of organic routing, reachable by probes only
-    declares_sampler: bool = False  # its last answer declared the subnet's sampler (Upstream.learn_sampler)
-    # What it declared it serves (its signed /health, gateway.offers): the models, and the request features beyond
-    # plain chat (gateway.protocol.openai.FEATURES). No models declared: the router's default model, no features.
-    models: frozenset[str] = frozenset()
-    features: frozenset[str] = frozenset()
-    bucket_load: float = field(default=0.0, repr=False)  # the router's bookkeeping: the load bucket it sits in
-    sampler_load: float | None = field(default=None, repr=False)  # and its sampler bucket (None: in none)
-
-    @property
-    def load(self) -> float:
-        return (self.in_flight + self.elsewhere) / self.slots
-
-
-@dataclass(slots=True, eq=False)
-class Lease:
-    """Proof that one request holds one in-flight unit on ``miner``; release it exactly once."""
-
-    miner: MinerState
-    in_flight_at_dispatch: int
-    released: bool = False
-    slots_at_dispatch: int = 1  # what the miner had declared when this request was sent: refusals are judged on it
-    delivering: bool = False  # the stream has sent content (counted in ``miner.delivering`` until released)
-    token: str | None = None  # its name among the shared leases (gateway.shared.leases); None: this process only
-    on_deliver: Callable[[Lease], None] | None = field(default=None, repr=False)  # Router.on_deliver at dispatch
-
-    def start_delivering(self) -> None:
-        """The stream sent its first content: from now on it is load on the miner (once)."""
-        if not self.delivering and not self.released:
-            self.delivering = True
-            self.miner.delivering += 1
-            if self.on_deliver is not None:
-                self.on_deliver(self)
-
-
-class _Bucket:
-    """Miners sharing one load value, sampled by score through a Fenwick tree.
-
-    Acquire and release move one miner between buckets; a Fenwick tree over stable positions
-    (swap-remove keeps them dense) makes add, remove and a weighted pick O(log n) each, instead of
-    rebuilding a cumulative sum of the whole bucket after every move.
-    """
-
-    __slots__ = ("order", "positive", "_pos", "_w", "_tree", "_cap", "_top", "_total", "_updates")
-
-    def __init__(self) -> None:
-        self.order: list[MinerState] = []
-        self.positive = 0  # members with a positive weight (exact, unlike the float total)
-        self._pos: dict[int, int] = {}
-        self._w: list[float] = []
-        self._cap = 0
-        self._top = 0
-        self._tree: list[float] = [0.0]
-        self._total = 0.0
-        self._updates = 0
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def holds(self, m: MinerState) -> bool:
-        i = self._pos.get(m.uid)
-        return i is not None and self.order[i] is m
-
-    def _rebuild(self, cap: int) -> None:
-        """Exact O(n) rebuild: on growth, and now and then to shed floating-point drift."""
-        cap = max(8, cap)
-        tree = [0.0] * (cap + 1)
-        tree[1 : len(self._w) + 1] = self._w
-        for i in range(1, cap + 1):  # every node, also past n: the descent reads the top ones
-            j = i + (i & -i)
-            if j <= cap:
-                tree[j] += tree[i]
-        self._tree, self._cap = tree, cap
-        self._top = 1 << (cap.bit_length() - 1)
-        self._total = math.fsum(self._w)
-        self._updates = 0
-
-    def _add_at(self, i: int, delta: float) -> None:
-        tree, cap = self._tree, self._cap
-        i += 1
-        while i <= cap:
-            tree[i] += delta
-            i += i & -i
-
-    def add(self, m: MinerState, weight: float) -> None:
-        i = len(self.order)
-        self.order.append(m)
-        self._pos[m.uid] = i
-        self._w.append(weight)
-        self.positive += weight > 0.0
-        if i + 1 > self._cap or self._updates > 100_000:
-            self._rebuild(self._cap * 2 if i + 1 > self._cap else self._cap)
-            return
-        self._add_at(i, weight)
-        self._total += weight
-        self._updates += 1
-
-    def remove(self, m: MinerState) -> None:
-        i = self._pos.pop(m.uid)
-        last = len(self.order) - 1
-        wi = self._w[i]
-        self.positive -= wi > 0.0
-        if i != last:
-            moved, wl = self.order[last], self._w[last]
-            self.order[i], self._w[i] = moved, wl
-            self._pos[moved.uid] = i
-            self._add_at(i, wl - wi)
-            self._add_at(last, -wl)
-        else:
-            self._add_at(i, -wi)
-        self.order.pop()
-        self._w.pop()
-        self._total -= wi
-        self._updates += 2
-
-    def pick(self, rng: random.Random) -> MinerState:
-        n = len(self.order)
-        if self._total > 0.0:
-            r = rng.random() * self._total
-            tree, cap, idx, bit = self._tree, self._cap, 0, self._top
-            while bit:
-                nxt = idx + bit
-                if nxt <= cap and tree[nxt] <= r:
-                    idx = nxt
-                    r -= tree[nxt]
-                bit >>= 1
-            if idx < n and self._w[idx] > 0.0:
-                return self.order[idx]
-        elif self._updates == 0:  # exact (just rebuilt) and no positive weight: uniform
-            return self.order[rng.randrange(n)]
-        # Drift put the draw on a zero-weight slot or hid the weight: rebuild exactly, then decide.
-        self._rebuild(self._cap)
-        return _weighted_choice(self.order, self._w, rng)
+__all__ = ["Candidate", "Lease", "MinerState", "Router", "request_work"]  # the records live in gateway.miner_state
 
 
 SAMPLER_RECHECK = 64  # sampled requests between two looks at which miners declare the sampler
-
-
-def _weighted_choice(miners: list[MinerState], weights: list[float], rng: random.Random) -> MinerState:
-    """Exact weighted choice; uniform when no weight is positive."""
-    cum = list(accumulate(weights))
-    total = cum[-1]  # not sum(): on 3.12+ sum() is compensated and can exceed cum[-1] (IndexError)
-    if total <= 0.0:
-        return miners[rng.randrange(len(miners))]
-    return miners[bisect_right(cum, rng.random() * total)]
 
 
 def _clean_score(value: float) -> float:
@@ -267,8 +98,9 @@ class Router:
         self._fixed_prior = prior
         self._prior = 1.0 if prior is None else _clean_score(prior)
         self._miners: dict[int, MinerState] = {}
-        self._buckets: dict[float, _Bucket] = {}
-        self._sampler_buckets: dict[float, _Bucket] = {}  # the same, of the miners declaring the subnet's sampler
+        self._buckets: dict[float, WeightedBucket[MinerState]] = {}
+        # the same, of the miners declaring the subnet's sampler
+        self._sampler_buckets: dict[float, WeightedBucket[MinerState]] = {}
         # Virtual time: advances 1/(sum of weights) per dispatch, so a miner served exactly its share
         # keeps its pass level with it. Passes are held within HORIZON dispatches of it, so a burst of
         # forced picks (everyone else busy) is not repaid by starving that miner for an hour after.
@@ -405,8 +237,8 @@ class Router:
             scored = [m for m in rest if self._weight(m) > 0.0]
             if scored:
                 weights = [self._weight(m) for m in scored]
-                return self._less_served(_weighted_choice(scored, weights, self._rng),
-                                         _weighted_choice(scored, weights, self._rng))
+                return self._less_served(weighted_choice(scored, weights, self._rng),
+                                         weighted_choice(scored, weights, self._rng))
             if rest and zero_only is None and not free_sampler:
                 zero_only = rest
         if zero_only:
@@ -577,13 +409,13 @@ class Router:
         load = m.load
         b = self._buckets.get(load)
         if b is None:
-            b = self._buckets[load] = _Bucket()
+            b = self._buckets[load] = WeightedBucket[MinerState]()
         b.add(m, self._weight(m))
         m.bucket_load = load
         if m.declares_sampler:
             s = self._sampler_buckets.get(load)
             if s is None:
-                s = self._sampler_buckets[load] = _Bucket()
+                s = self._sampler_buckets[load] = WeightedBucket[MinerState]()
             s.add(m, self._weight(m))
             m.sampler_load = load
 

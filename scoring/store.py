@@ -26,183 +26,24 @@ import sqlite3
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from loguru import logger
 
-from scoring.pay import RoundPay
+from scoring.store_schema import SCHEMA, SCHEMA_2, SCHEMA_3, SCHEMA_4, SCHEMA_5, SCHEMA_VERSION, TABLES
+from scoring.stored import (
+    CorruptStateError,
+    NewerSchemaError,
+    StateError,
+    StoredAudit,
+    StoredMiner,
+    StoredRound,
+    StoredWeights,
+)
 
-SCHEMA_VERSION = 5
 DEFAULT_FILENAME = "scoring.sqlite"
-
-_SCHEMA = """
-CREATE TABLE rounds (
-    idx INTEGER PRIMARY KEY,
-    ended_at REAL NOT NULL
-);
-CREATE TABLE round_miners (
-    idx INTEGER NOT NULL REFERENCES rounds(idx) ON DELETE CASCADE,
-    hotkey TEXT NOT NULL,
-    uid INTEGER NOT NULL,
-    requests INTEGER NOT NULL,
-    measured INTEGER NOT NULL,
-    score REAL NOT NULL,
-    credit_sum REAL NOT NULL,
-    ttft_p50 REAL,
-    ttft_p95 REAL,
-    failures TEXT NOT NULL DEFAULT '{}',
-    PRIMARY KEY (idx, hotkey)
-);
-CREATE TABLE routing (
-    hotkey TEXT PRIMARY KEY,
-    uid INTEGER,
-    score REAL NOT NULL
-);
-CREATE TABLE meta (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-"""
-# Schema 2: audit outcomes (the strike book itself lives in meta, as JSON).
-_SCHEMA_2 = """
-CREATE TABLE audits (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    at REAL NOT NULL,
-    hotkey TEXT NOT NULL,
-    uid INTEGER NOT NULL,
-    probe INTEGER NOT NULL,
-    passed INTEGER NOT NULL,
-    failure TEXT,
-    detail TEXT NOT NULL,
-    tokens INTEGER NOT NULL
-);
-CREATE INDEX audits_hotkey ON audits (hotkey, at);
-"""
-# Schema 3: pay for work (issue 14): each round line keeps its paid card-seconds and its value (rounds
-# stored before are read as worth 0, like rounds in which nobody was paid); API key usage per UTC day.
-_SCHEMA_3 = """
-ALTER TABLE round_miners ADD COLUMN work_s REAL NOT NULL DEFAULT 0;
-ALTER TABLE round_miners ADD COLUMN value REAL NOT NULL DEFAULT 0;
-CREATE TABLE key_usage (
-    name TEXT NOT NULL,
-    day TEXT NOT NULL,
-    requests INTEGER NOT NULL,
-    tokens INTEGER NOT NULL,
-    PRIMARY KEY (name, day)
-);
-"""
-# Schema 4: pay for verified work only (issue 23): ``value`` is now the verified part; next to it the
-# unverified part (held until an audit of a user's answer in the window passes), the round's audits and
-# the quarantine flag. Rounds stored before keep their whole value as verified, as they were paid.
-_SCHEMA_4 = """
-ALTER TABLE round_miners ADD COLUMN unverified REAL NOT NULL DEFAULT 0;
-ALTER TABLE round_miners ADD COLUMN audits_passed INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE round_miners ADD COLUMN audits_failed INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE round_miners ADD COLUMN quarantined INTEGER NOT NULL DEFAULT 0;
-"""
-# Schema 5: every measurement counted exactly once across kill -9 (issue 39). Without Redis, each measurement taken
-# in is journaled (``intake``) until the round holding it is saved, which deletes it in the same transaction; with
-# Redis, the stream entries a saved round holds are listed (``counted``) in that transaction until Redis
-# acknowledges them, so entries read again after a kill between the save and the acknowledgement are not recounted.
-_SCHEMA_5 = """
-CREATE TABLE intake (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    m BLOB NOT NULL
-);
-CREATE TABLE counted (
-    ref TEXT PRIMARY KEY,
-    idx INTEGER NOT NULL
-);
-"""
-_TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits", "key_usage", "intake", "counted"})
-
-
-@dataclass(frozen=True, slots=True)
-class StoredAudit:
-    """One audit outcome as persisted (``failure`` None when it passed)."""
-
-    at: float
-    hotkey: str
-    uid: int
-    probe: bool
-    passed: bool
-    failure: str | None
-    detail: str
-    tokens: int
-
-
-class StateError(Exception):
-    """The state file cannot be used as it is. The message says which file and what to do."""
-
-    def __init__(self, path: Path, problem: str, remedy: str) -> None:
-        self.path = path
-        super().__init__(f"{path}: {problem}. {remedy}")
-
-
-class CorruptStateError(StateError):
-    """The file is not a readable tensorgate scoring database."""
-
-    def __init__(self, path: Path, problem: str) -> None:
-        super().__init__(
-            path,
-            problem,
-            "Move the file (and any -wal/-shm beside it) aside to start with no settlement history, "
-            "or restore it from a backup; it is not reset automatically.",
-        )
-
-
-class NewerSchemaError(StateError):
-    """The file was written by a newer release with a schema this one does not know."""
-
-    def __init__(self, path: Path, found: int) -> None:
-        super().__init__(
-            path,
-            f"schema version {found} is newer than this release understands ({SCHEMA_VERSION})",
-            "Run the newer tensorgate release, or point --state-dir at another directory.",
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StoredMiner:
-    """One miner's line in one settled round."""
-
-    hotkey: str
-    uid: int
-    score: float  # the round score settlement averages (mean credit of measured requests)
-    requests: int = 0
-    measured: int = 0
-    credit_sum: float = 0.0
-    ttft_p50: float | None = None
-    ttft_p95: float | None = None
-    failures: dict[str, int] = field(default_factory=dict)
-    work_s: float = 0.0  # card-seconds of paid work
-    value: float = 0.0  # the verified part of the round's value (scoring.pay.RoundPay)
-    unverified: float = 0.0  # the part no audit looked at: paid as the pay window allows
-    audits_passed: int = 0
-    audits_failed: int = 0
-    quarantined: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class StoredRound:
-    index: int
-    ended_at: float
-    miners: list[StoredMiner] = field(default_factory=list)
-
-    def scores(self) -> dict[str, float]:
-        return {m.hotkey: m.score for m in self.miners}
-
-    def pays(self) -> dict[str, RoundPay]:
-        return {m.hotkey: RoundPay(m.value, m.unverified, m.audits_passed, m.audits_failed, m.quarantined)
-                for m in self.miners}
-
-
-@dataclass(frozen=True, slots=True)
-class StoredWeights:
-    block: int
-    at: float
-    weights: dict[int, float]
+__all__ = ["SCHEMA_VERSION", "CorruptStateError", "NewerSchemaError", "ScoreStore", "StateError", "StoredAudit",
+           "StoredMiner", "StoredRound", "StoredWeights"]  # the records and errors live in scoring.stored
 
 
 def _finite(x: float) -> float:
@@ -259,7 +100,7 @@ class ScoreStore:
         try:
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
             if version > SCHEMA_VERSION:
-                raise NewerSchemaError(self.path, version)
+                raise NewerSchemaError(self.path, version, SCHEMA_VERSION)
             check = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall()]
             if check != ["ok"]:
                 raise CorruptStateError(self.path, f"integrity check failed: {'; '.join(check[:3])}")
@@ -275,33 +116,33 @@ class ScoreStore:
                     self.path, f"an SQLite file with unknown tables {sorted(tables)} and no tensorgate schema"
                 )
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA + _SCHEMA_2 + _SCHEMA_3 + _SCHEMA_4 + _SCHEMA_5 +
+                conn.executescript("BEGIN;" + SCHEMA + SCHEMA_2 + SCHEMA_3 + SCHEMA_4 + SCHEMA_5 +
                                    f"PRAGMA user_version = {SCHEMA_VERSION};")
             logger.info("scoring state: created {} (schema {})", self.path, SCHEMA_VERSION)
             return
         if version == 1:
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA_2 + "PRAGMA user_version = 2;")
+                conn.executescript("BEGIN;" + SCHEMA_2 + "PRAGMA user_version = 2;")
             tables |= {"audits"}
             version = 2
             logger.info("scoring state: {} migrated from schema 1 to 2 (audit outcomes)", self.path)
         if version == 2:
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA_3 + "PRAGMA user_version = 3;")
+                conn.executescript("BEGIN;" + SCHEMA_3 + "PRAGMA user_version = 3;")
             tables |= {"key_usage"}
             version = 3
             logger.info("scoring state: {} migrated from schema 2 to 3 (paid work per round)", self.path)
         if version == 3:
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA_4 + "PRAGMA user_version = 4;")
+                conn.executescript("BEGIN;" + SCHEMA_4 + "PRAGMA user_version = 4;")
             version = 4
             logger.info("scoring state: {} migrated from schema 3 to 4 (verified and held pay)", self.path)
         if version == 4:
             with self._tx(conn):
-                conn.executescript("BEGIN;" + _SCHEMA_5 + "PRAGMA user_version = 5;")
+                conn.executescript("BEGIN;" + SCHEMA_5 + "PRAGMA user_version = 5;")
             tables |= {"intake", "counted"}
             logger.info("scoring state: {} migrated from schema 4 to 5 (measurements counted once)", self.path)
-        missing = _TABLES - tables
+        missing = TABLES - tables
         if missing:
             raise CorruptStateError(self.path, f"schema {version} but tables {sorted(missing)} are missing")
 

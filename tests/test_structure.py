@@ -23,18 +23,12 @@ PRODUCT = ("gateway", "scoring", "neurons")
 MODULE_MAX_LINES = 450
 FUNCTION_MAX_LINES = 60
 # Over the limits today (2026-12-06), at their size then: they may shrink, not grow; remove a line once it is under.
-LARGE_MODULES = {
-    "gateway/router.py": 603, "neurons/chain/local_substrate.py": 586,
-    "scoring/store.py": 539, "gateway/protocol/openai.py": 487,
-    "gateway/relay.py": 476, "gateway/http/server.py": 473,
-}
+LARGE_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS = {
-    "neurons/validator/config.py:build_parser": 162, "neurons/miner/runtimes/llama.py:stream": 109,
-    "neurons/miner/scripted.py:_respond": 86, "gateway/protocol/openai.py:_features": 84,
-    "neurons/validator/build.py:build_parts": 82, "neurons/miner/runtimes/sim.py:stream": 75,
-    "gateway/http/server.py:_serve": 79, "neurons/reference/calibrate.py:calibrate": 76,
-    "gateway/protocol/openai.py:parse_chat_request": 73, "neurons/miner/cli.py:_run": 69,
-    "gateway/relay.py:_answer": 63, "gateway/metering.py:_feed": 62, "gateway/metrics.py:collect": 61,
+    "neurons/miner/runtimes/llama.py:stream": 109,
+    "neurons/miner/scripted.py:_respond": 86,
+    "neurons/reference/calibrate.py:calibrate": 76,
+    "neurons/miner/cli.py:_run": 69,
 }
 
 

@@ -40,8 +40,9 @@ A malformed request gets an OpenAI-shaped JSON error, never aiohttp's plain text
 bytes back: ``431`` for a head over the limits (a header line over ``max_head_bytes``, more than
 ``max_headers`` fields), ``400`` otherwise; an HTTP/0.9 request gets a valid ``HTTP/1.1 400`` status line.
 
-The adapter maps ASGI messages onto a ``StreamResponse``: ``http.response.start`` keeps status and
-headers, the first ``http.response.body`` sends them with its bytes, the last one ends the response.
+The adapter (:class:`gateway.http.exchange.AsgiExchange`, one a request) maps ASGI messages onto a
+``StreamResponse``: ``http.response.start`` keeps status and headers, the first ``http.response.body`` sends them
+with its bytes, the last one ends the response.
 
 Example::
 
@@ -67,9 +68,10 @@ from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from loguru import logger
 
-from ..asgi import BodyTimeout, ClientGone, MalformedBody
+from ..asgi import MalformedBody
 from ..protocol.errors import error_body
 from .deadlines import ConnectionDeadlines
+from .exchange import AsgiExchange
 
 
 class _QuietBadRequests(logging.Filter):
@@ -250,48 +252,6 @@ def _open_files_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-class _WriteWatchdog:
-    """One timer a request, not a timeout a write (4 us each, ~17 writes a stream): a write pending for
-    ``timeout`` means a client that stopped reading, which would hold a miner's slot; its connection is closed,
-    and the pending write fails as a client that left.
-
-    An object rather than a closure that schedules itself: such a closure refers to itself through its own cell,
-    a cycle that kept each request's objects (about 40) for the garbage collector to find, where refcounting frees
-    them as the request ends. Here the only cycle is the pending timer's, and :meth:`stop` cancels it."""
-
-    __slots__ = ("_loop", "_timeout", "_request", "_since", "_timer")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float, request: web.BaseRequest) -> None:
-        self._loop = loop
-        self._timeout = timeout
-        self._request = request
-        self._since: float | None = None  # when the write in progress began
-        self._timer: asyncio.TimerHandle | None = None
-
-    def writing(self) -> None:
-        if self._timer is None:
-            self._timer = self._loop.call_later(self._timeout / 2, self._check)
-        self._since = self._loop.time()
-
-    def written(self) -> None:
-        self._since = None
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _check(self) -> None:
-        self._timer = None
-        since = self._since
-        if since is not None and self._loop.time() - since >= self._timeout:
-            if self._request.transport is not None:
-                self._request.transport.abort()  # close() would wait for the buffer the client never reads
-            self._request.protocol.force_close()
-            return
-        self._timer = self._loop.call_later(self._timeout / 2, self._check)
-
-
 class HttpServer:
     """One listening socket serving an ASGI ``app`` through aiohttp."""
 
@@ -400,74 +360,5 @@ class HttpServer:
             conn = request.protocol
             conn.force_close()
             return web.Response(status=400)  # never written: the connection is closed
-        scope: dict[str, Any] = {
-            "type": "http",
-            "http_version": f"{v.major}.{v.minor}",
-            "method": request.method,
-            "path": request.path,
-            "raw_path": request.raw_path.partition("?")[0].encode("latin-1", "replace"),
-            "client": (request.remote or "", 0),
-            "headers": [(k.lower(), val) for k, val in request.raw_headers],
-        }
-        state: dict[str, Any] = {"response": None, "start": None, "body_by": None}
-        loop = asyncio.get_running_loop()
-
-        async def receive() -> dict[str, Any]:
-            if request.content.at_eof() and state["body_by"] is not None:
-                await asyncio.Event().wait()  # nothing more to say: a disconnect cancels the handler instead
-            if state["body_by"] is None:  # the app asks for the body: its deadline starts now
-                state["body_by"] = loop.time() + self.body_timeout
-                expect = request.headers.get("Expect", "").strip().lower()
-                if expect == "100-continue" and v >= (1, 1) and request.writer is not None:
-                    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            try:
-                async with asyncio.timeout_at(state["body_by"]):
-                    chunk = await request.content.readany()
-            except TimeoutError:
-                raise BodyTimeout(self.body_timeout) from None
-            return {"type": "http.request", "body": chunk, "more_body": not request.content.at_eof()}
-
-        watchdog = _WriteWatchdog(loop, self.write_timeout, request)
-
-        async def send(message: dict[str, Any]) -> None:
-            kind = message["type"]
-            if kind == "http.response.start":
-                state["start"] = message
-                return
-            watchdog.writing()
-            try:
-                await _send(message)
-            except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the client left mid-write
-                raise ClientGone from None
-            finally:
-                watchdog.written()
-
-        async def _send(message: dict[str, Any]) -> None:
-            response: web.StreamResponse | None = state["response"]
-            if response is None:
-                start = state["start"]
-                response = web.StreamResponse(status=start["status"])
-                close = False
-                for name, value in start.get("headers", ()):
-                    if name.lower() == b"connection" and value.lower() == b"close":
-                        close = True
-                        continue
-                    response.headers.add(name.decode("latin-1"), value.decode("latin-1"))
-                if close:
-                    response.force_close()
-                state["response"] = response
-                await response.prepare(request)
-            body = message.get("body", b"")
-            if body and request.method != "HEAD":  # a HEAD answer has the GET's head and no body
-                await response.write(body)
-            if not message.get("more_body", False):
-                await response.write_eof()
-
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            watchdog.stop()
-        response = state["response"]
-        if response is None:  # the app sent nothing (a bug): aiohttp still needs an answer
-            return web.Response(status=500)
-        return response
+        return await AsgiExchange(request, body_timeout=self.body_timeout, write_timeout=self.write_timeout).run(
+            self.app)

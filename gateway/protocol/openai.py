@@ -17,12 +17,24 @@ Example::
 from __future__ import annotations
 
 import json
-import math
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import bad_request, model_not_found
+from .request_features import (  # noqa: F401 - the feature names are also this module's: miners and offers read them
+    FEATURES,
+    LOGIT_BIAS,
+    LOGPROBS,
+    MAX_TOOLS,
+    MIN_P,
+    NAME,
+    RESPONSE_FORMAT,
+    TOOLS,
+    TOP_K,
+    features,
+    is_int,
+    number,
+)
 from .sampling import SamplingParams
 from .tokens import estimate_prompt_tokens
 
@@ -30,11 +42,6 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Refused by name: not served by any runtime the subnet runs (``functions``/``function_call`` are the deprecated
 # spelling of ``tools``, refused with a pointer to it rather than translated).
 UNSUPPORTED = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options")
-# What a miner declares it serves beyond plain chat (``features`` in its signed /health, gateway.offers): a request
-# using one goes only to miners that declared it, and is refused by name when no routable miner did.
-TOOLS, RESPONSE_FORMAT, LOGPROBS, LOGIT_BIAS, TOP_K, MIN_P = (
-    "tools", "response_format", "logprobs", "logit_bias", "top_k", "min_p")
-FEATURES = frozenset({TOOLS, RESPONSE_FORMAT, LOGPROBS, LOGIT_BIAS, TOP_K, MIN_P})
 # Every field the gateway reads: passed to the miner (sampling and feature fields), used by the gateway itself
 # (``stream``, ``stream_options``, ``max_tokens``, ``n``: answered by n miners, ``user``: the end user's id, kept
 # from miners), or refused by name (UNSUPPORTED). Anything else given a value is refused by name too: a 200 that
@@ -45,9 +52,6 @@ KNOWN_FIELDS = frozenset({
     "response_format", "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "top_k", "min_p", *UNSUPPORTED,
 })
 MAX_N = 8  # answers one request may ask for (each is one miner's stream)
-MAX_TOOLS = 128
-MAX_TOP_LOGPROBS = 20
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function name, as OpenAI allows it
 
 
 DEFAULT_MAX_TOKENS = 256  # completion length when a request names none
@@ -141,19 +145,6 @@ def requested_max_tokens(body: dict[str, Any], default: int = DEFAULT_MAX_TOKENS
     return default
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise bad_request(f"'{name}' must be a number between {lo:g} and {hi:g}", param=name)
-    return v
-
-
 def _text(value: str, param: str) -> str:
     """``value`` if it is text a miner can encode: JSON lets a client send a lone surrogate (``"\\ud800"``),
     which no UTF-8 encoder takes; forwarded, it made every runtime answer 500 and the gateway blamed the
@@ -191,7 +182,7 @@ def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
         if not isinstance(fn, dict) or call.get("type", "function") != "function":
             raise bad_request("a tool call is {'id', 'type': 'function', 'function': {'name', 'arguments'}}", param=p)
         cid, name, args = call.get("id"), fn.get("name"), fn.get("arguments")
-        if not isinstance(cid, str) or not cid or not isinstance(name, str) or not _NAME.fullmatch(name):
+        if not isinstance(cid, str) or not cid or not isinstance(name, str) or not NAME.fullmatch(name):
             raise bad_request("a tool call needs a string 'id' and a function 'name'", param=p)
         if not isinstance(args, str):
             raise bad_request("function 'arguments' must be a string (JSON text)", param=f"{p}.function.arguments")
@@ -249,7 +240,7 @@ def _max_tokens(body: dict[str, Any], limits: SchemaLimits) -> int:
         v = body.get(name)
         if v is None:
             continue
-        if not _is_int(v) or v < 1:
+        if not is_int(v) or v < 1:
             raise bad_request(f"'{name}' must be a positive integer", param=name)
         if chosen is not None and v != chosen:
             raise bad_request("'max_tokens' and 'max_completion_tokens' disagree", param="max_tokens")
@@ -265,6 +256,45 @@ def _stop(value: Any) -> str | list[str] | None:
     if isinstance(value, list) and len(value) <= 4 and all(isinstance(s, str) for s in value):
         return [_text(s, f"stop[{i}]") for i, s in enumerate(value)]
     raise bad_request("'stop' must be a string or a list of at most 4 strings", param="stop")
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether the answer is streamed, and whether a streamed one ends with a usage chunk."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", param="stream")
+    so = body.get("stream_options")
+    if so is None:
+        return stream, False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    if not isinstance(so, dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
+    iu = so.get("include_usage", False)
+    if not isinstance(iu, bool):
+        raise bad_request("'include_usage' must be a boolean", param="stream_options.include_usage")
+    return stream, iu
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields a request sets, range-checked: temperature, top_p, the penalties, stop and seed."""
+    sampling: dict[str, Any] = {}
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0),
+                         ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+        v = number(body, name, lo, hi)
+        if v is not None:
+            sampling[name] = v
+    stop = _stop(body.get("stop"))
+    if stop is not None:
+        sampling["stop"] = stop
+    seed = body.get("seed")
+    if seed is not None:
+        if not is_int(seed):
+            raise bad_request("'seed' must be an integer", param="seed")
+        sampling["seed"] = seed
+    return sampling
 
 
 def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
@@ -286,44 +316,12 @@ def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
             hint = " (use 'tools' and 'tool_choice')" if name.startswith("function") else ""
             raise bad_request(f"'{name}' is not supported by this gateway{hint}", param=name,
                               code="unsupported_parameter")
-    options, needs = _features(body)
-
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad_request("'stream' must be a boolean", param="stream")
-    include_usage = False
-    so = body.get("stream_options")
-    if so is not None:
-        if not stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-        if not isinstance(so, dict):
-            raise bad_request("'stream_options' must be an object", param="stream_options")
-        iu = so.get("include_usage", False)
-        if not isinstance(iu, bool):
-            raise bad_request("'include_usage' must be a boolean", param="stream_options.include_usage")
-        include_usage = iu
-
+    options, needs = features(body)
+    stream, include_usage = _streaming(body)
     n = body.get("n")
-    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+    if n is not None and (not is_int(n) or not 1 <= n <= MAX_N):
         raise bad_request(f"'n' must be an integer from 1 to {MAX_N}", param="n")
-
-    sampling: dict[str, Any] = {}
-    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0),
-                         ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
-        v = _number(body, name, lo, hi)
-        if v is not None:
-            sampling[name] = v
-    stop = _stop(body.get("stop"))
-    if stop is not None:
-        sampling["stop"] = stop
-    seed = body.get("seed")
-    if seed is not None:
-        if not _is_int(seed):
-            raise bad_request("'seed' must be an integer", param="seed")
-        sampling["seed"] = seed
-    sampling.update(options)
+    sampling = {**_sampling(body), **options}
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", param="user")
@@ -340,116 +338,6 @@ def parse_chat_request(body: Any, limits: SchemaLimits) -> ChatRequest:
         n=n or 1,
         needs=frozenset(needs),
     )
-
-
-def _features(body: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
-    """The feature fields a request uses, checked and rebuilt, and the FEATURES a miner needs to serve them.
-
-    A field at its "off" value (``logprobs: false``, ``top_k: -1``, ``response_format: text``, an empty
-    ``logit_bias``) is not passed on and needs nothing: a client library's defaults never narrow the miners.
-    """
-    out: dict[str, Any] = {}
-    needs: set[str] = set()
-    tools = body.get("tools")
-    if tools is not None:
-        out["tools"] = _tools(tools)
-        needs.add(TOOLS)
-    for name in ("tool_choice", "parallel_tool_calls"):
-        if body.get(name) is not None and tools is None:
-            raise bad_request(f"'{name}' needs 'tools'", param=name)
-    choice = body.get("tool_choice")
-    if choice is not None:
-        names = {t["function"]["name"] for t in out["tools"]}
-        fn = choice.get("function") if isinstance(choice, dict) else None
-        if not (choice in ("none", "auto", "required") or (isinstance(fn, dict) and choice.get("type") == "function"
-                                                           and fn.get("name") in names)):
-            raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
-                              "'function': {'name': <one of the tools>}}", param="tool_choice")
-        out["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
-                                                                      "function": {"name": fn["name"]}}  # type: ignore[index]
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None:
-        if not isinstance(parallel, bool):
-            raise bad_request("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
-        out["parallel_tool_calls"] = parallel
-    rf = body.get("response_format")
-    if rf is not None:
-        kind = rf.get("type") if isinstance(rf, dict) else None
-        if kind == "json_object":
-            out["response_format"] = {"type": "json_object"}
-        elif kind == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("name"), str) or not _NAME.fullmatch(js["name"]) \
-                    or not isinstance(js.get("schema", {}), dict) or not isinstance(js.get("strict", False), bool):
-                raise bad_request("'json_schema' must be {'name': str, 'schema': object, 'strict': bool}",
-                                  param="response_format.json_schema")
-            out["response_format"] = {"type": "json_schema", "json_schema": {
-                k: js[k] for k in ("name", "description", "schema", "strict") if k in js}}
-        elif kind != "text":
-            raise bad_request("'response_format' type must be 'text', 'json_object' or 'json_schema'",
-                              param="response_format")
-        if "response_format" in out:
-            needs.add(RESPONSE_FORMAT)
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise bad_request("'logprobs' must be a boolean", param="logprobs")
-    if top is not None:
-        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs")
-        if not logprobs:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    if logprobs:
-        out["logprobs"] = True
-        if top is not None:
-            out["top_logprobs"] = top
-        needs.add(LOGPROBS)
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict) or len(bias) > 1024 or not all(
-                isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 for k in bias):
-            raise bad_request("'logit_bias' must map at most 1024 token ids (strings of digits) to numbers",
-                              param="logit_bias")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) and -100 <= v <= 100 for v in bias.values()):
-            raise bad_request("'logit_bias' values must be numbers from -100 to 100", param="logit_bias")
-        if bias:
-            out["logit_bias"] = {k: bias[k] for k in bias}
-            needs.add(LOGIT_BIAS)
-    top_k = body.get("top_k")
-    if top_k is not None:
-        if not _is_int(top_k) or top_k < -1:
-            raise bad_request("'top_k' must be an integer: -1 or 0 for off, else at least 1", param="top_k")
-        if top_k > 0:
-            out["top_k"] = top_k
-            needs.add(TOP_K)
-    min_p = _number(body, "min_p", 0.0, 1.0)
-    if min_p:
-        out["min_p"] = min_p
-        needs.add(MIN_P)
-    return out, needs
-
-
-def _tools(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value or len(value) > MAX_TOOLS:
-        raise bad_request(f"'tools' must be a list of 1 to {MAX_TOOLS} tools", param="tools")
-    out, seen = [], set()
-    for i, tool in enumerate(value):
-        p = f"tools[{i}]"
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or tool.get("type") != "function":
-            raise bad_request("a tool is {'type': 'function', 'function': {'name', 'description', 'parameters'}}",
-                              param=p)
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or name in seen:
-            raise bad_request("a function needs a unique 'name' of letters, digits, '_' or '-' (at most 64)",
-                              param=f"{p}.function.name")
-        seen.add(name)
-        if not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("parameters", {}), dict) \
-                or not isinstance(fn.get("strict", False), bool):
-            raise bad_request("'description' must be a string, 'parameters' a JSON schema object, 'strict' a bool",
-                              param=f"{p}.function")
-        out.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters", "strict")
-                                                      if k in fn}})
-    return out
 
 
 COMPLETIONS_PATH = "/v1/completions"

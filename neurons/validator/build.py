@@ -128,17 +128,8 @@ def build_parts(
         sink = publisher if publisher is not None else measurements
     upstream = Upstream(client, RequestSigner(keypair), sink, timeouts=timeouts, limits=limits)
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
-    gateway_options.setdefault("keys_file", cfg.api_keys_file)
-    gateway_options.setdefault("shutdown_timeout", cfg.drain_s)
-    gateway_options.setdefault("max_connections", cfg.max_connections)
-    gateway_options.setdefault("first_byte_budget_s", cfg.first_byte_budget_s)
-    gateway_options.setdefault("audits", reference is not None)
-    gateway_options.setdefault("access_log", cfg.log_access)
-    gateway_options.setdefault("queue_s", cfg.queue_s)
-    gateway_options.setdefault("reuse_port", cfg.gateway_workers > 1 or cfg.gateway_only)
-    gw_cfg = GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models,
-                                        keys=api_keys, max_retries=cfg.max_retries, **gateway_options)
-    gateway = Gateway(gw_cfg, router, upstream, counter=_prompt_counter(cfg, reference))
+    gateway = Gateway(_gateway_config(cfg, api_keys, audited=reference is not None, **gateway_options), router,
+                      upstream, counter=_prompt_counter(cfg, reference))
     shared = None
     if link is not None and publisher is not None:
         shared = SharedState(link, SharedLeases(link, router, ttl_s=cfg.redis_lease_s), SharedLimits(
@@ -149,31 +140,54 @@ def build_parts(
     credit = credit or load_profile(cfg.credit_profile)
     scorer = Scorer(credit, window=cfg.settlement_rounds,
                     restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
+    prompts = _prompts(cfg, seed_rng, gateway)
+    probes = ProbeRunner(router, upstream.probe, prompts, tuple(cfg.models), random.Random(seed_rng.random()),
+                         capacity_check=cfg.capacity_check, hold=shared.leases.hold if shared is not None else None,
+                         credit=credit)
+    auditor = _auditor(cfg, reference, bands) if reference is not None else None
+    return ValidatorParts(cfg, keypair, router, client, measurements, upstream, gateway, scorer, prompts, probes,
+                          auditor, shared, api_keys)
+
+
+def _prompts(cfg: ValidatorConfig, seed_rng: random.Random, gateway: Gateway) -> PromptGenerator:
+    """The probes' prompts, which copy organic requests' shapes and replay some of them: the gateway shows them each
+    admitted request."""
     shapes = ShapeSample(rng=random.Random(seed_rng.random()))
     replays = ReplaySample(rng=random.Random(seed_rng.random())) if cfg.probes_replay else None
 
-    def observe(req: ChatRequest) -> None:  # probes copy organic requests' shapes, and replay some of them
+    def observe(req: ChatRequest) -> None:
         shapes.observe(req)
         if replays is not None:
             replays.observe(req)
 
     gateway.plug(on_request=observe)
-    prompts = PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes,
-                              replays=replays)
-    probes = ProbeRunner(router, upstream.probe, prompts, tuple(cfg.models), random.Random(seed_rng.random()),
-                         capacity_check=cfg.capacity_check, hold=shared.leases.hold if shared is not None else None,
-                         credit=credit)
-    auditor = None
-    if reference is not None:  # sampled with the system RNG: a seeded run must not make audits predictable
-        test = SequentialTest()
-        if cfg.audit_bands is not None:
-            measured, test = load_bands(cfg.audit_bands)
-            bands = bands or measured
-        auditor = Auditor(reference, bands or AuditBands(), StrikeBook(StrikePolicy(sequential=test)),
-                          rate=cfg.audit_rate,
-                          max_queue=cfg.audit_queue)
-    return ValidatorParts(cfg, keypair, router, client, measurements, upstream, gateway, scorer, prompts, probes,
-                          auditor, shared, api_keys)
+    return PromptGenerator(random.Random(seed_rng.random()), MIXES[cfg.prompt_mix], shapes=shapes, replays=replays)
+
+
+def _gateway_config(cfg: ValidatorConfig, api_keys: list[str] | None, *, audited: bool,
+                    **options: Any) -> GatewayConfig:
+    """The gateway's settings from the validator's (``options`` first: a test's or a tool's own)."""
+    options.setdefault("keys_file", cfg.api_keys_file)
+    options.setdefault("shutdown_timeout", cfg.drain_s)
+    options.setdefault("max_connections", cfg.max_connections)
+    options.setdefault("first_byte_budget_s", cfg.first_byte_budget_s)
+    options.setdefault("audits", audited)
+    options.setdefault("access_log", cfg.log_access)
+    options.setdefault("queue_s", cfg.queue_s)
+    options.setdefault("reuse_port", cfg.gateway_workers > 1 or cfg.gateway_only)
+    return GatewayConfig.from_sources(host=cfg.gateway_host, port=cfg.gateway_port, models=cfg.models, keys=api_keys,
+                                      max_retries=cfg.max_retries, **options)
+
+
+def _auditor(cfg: ValidatorConfig, reference: Reference, bands: AuditBands | None) -> Auditor:
+    """The audits over ``reference``: the bands measured for it when a file names them (else the defaults), the
+    sequential test, the strike book. Sampled with the system RNG: a seeded run must not make audits predictable."""
+    test = SequentialTest()
+    if cfg.audit_bands is not None:
+        measured, test = load_bands(cfg.audit_bands)
+        bands = bands or measured
+    return Auditor(reference, bands or AuditBands(), StrikeBook(StrikePolicy(sequential=test)), rate=cfg.audit_rate,
+                   max_queue=cfg.audit_queue)
 
 
 def shared_namespace(netuid: int, hotkey: str) -> str:

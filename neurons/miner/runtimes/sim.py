@@ -237,6 +237,25 @@ class SimulatedRuntime:
         return MODEL.generate(MODEL.key(payload.get("messages")), max_tokens, sampling, rng, total=total,
                               share=p.stop_rate)
 
+    def _answer(self, payload: dict[str, Any], max_tokens: int) -> tuple[list[int], str]:
+        """The answer's ids and its finish reason, the profile's fault and cheat applied (overlong, an early stop)."""
+        p = self.profile
+        total = min(max_tokens, p.max_completion_tokens)
+        if self._rng.random() < p.overlong:
+            total = max_tokens + max(8, max_tokens // 4)
+        tokens, ended = self._tokens(payload, max_tokens, total)
+        if 0 < p.stop_after_tokens < len(tokens):
+            return tokens[: p.stop_after_tokens], "stop"
+        return tokens, "stop" if ended else "length"
+
+    def _ttft_real(self, prompt_tokens: int, others: int, now: float) -> float:
+        """Real seconds to the first token of a request arriving ``now``: its wait for the card's serial prefill
+        queue, then its TTFT (scaled)."""
+        p = self.profile
+        start = max(now, self._prefill_free_at)
+        self._prefill_free_at = start + prompt_tokens / p.prefill_tok_s / p.time_scale
+        return start - now + (p.ttft_s(prompt_tokens, others) * self._factor() + p.hang_s) / p.time_scale
+
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
         p = self.profile
@@ -246,22 +265,14 @@ class SimulatedRuntime:
         loop = asyncio.get_running_loop()
         ts = p.time_scale
         prompt_tokens = estimate_prompt_tokens(payload.get("messages"))
-        max_tokens = requested_max_tokens(payload)
-        total = min(max_tokens, p.max_completion_tokens)
-        if rng.random() < p.overlong:
-            total = max_tokens + max(8, max_tokens // 4)
-        tokens, ended = self._tokens(payload, max_tokens, total)
-        finish = "stop" if ended else "length"
-        if 0 < p.stop_after_tokens < len(tokens):
-            tokens, finish = tokens[: p.stop_after_tokens], "stop"
+        tokens, finish = self._answer(payload, requested_max_tokens(payload))
         drop_at = p.drop_after_tokens if p.drop_after_tokens > 0 else None
         garbage = rng.random() < p.garbage
         nan_usage = rng.random() < p.nan_usage
-        options = payload.get("stream_options")
+        options, named = payload.get("stream_options"), payload.get("model")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        named = payload.get("model")
-        model = named if isinstance(named, str) else f"sim/{p.name}"
-        frames = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()), model)
+        frames = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()),
+                             named if isinstance(named, str) else f"sim/{p.name}")
         featured, forced = self._frames(frames, tokens, payload)
         finish = forced or finish
         total = len(tokens) if featured is None else len(featured)
@@ -271,26 +282,17 @@ class SimulatedRuntime:
                 return b"".join(featured[a:b])
             return b"".join(self._chunk(frames, t) for t in tokens[a:b])
 
-
         others = self._active
         self._active += 1
         try:
             now = loop.time()
-            prefill_real = prompt_tokens / p.prefill_tok_s / ts
-            start = max(now, self._prefill_free_at)
-            self._prefill_free_at = start + prefill_real
-            queued_real = start - now
-            ttft_real = queued_real + (p.ttft_s(prompt_tokens, others) * self._factor() + p.hang_s) / ts
+            first_at = now + self._ttft_real(prompt_tokens, others, now)  # the first token, on the card's own clock
             decode_factor = self._factor()
-            first_at = now + ttft_real  # when the card has its first token, on the card's own clock
             yield frame(frames.chunk({"role": "assistant"}, None))
             await asyncio.sleep(max(0.0, first_at - loop.time()))
 
-            out = [chunks(0, 1)]
+            yield chunks(0, 1) + (GARBAGE_FRAME if garbage else b"")
             emitted = 1
-            if garbage:
-                out.append(GARBAGE_FRAME)
-            yield b"".join(out)
             last = min(first_at, loop.time())  # decode runs from the first token's time, not from a late wake-up
             owed = 0.0
             stop_at = min(total, drop_at) if drop_at is not None else total
