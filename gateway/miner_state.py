@@ -40,12 +40,16 @@ class MinerState:
     # plain chat (gateway.protocol.openai.FEATURES). No models declared: the router's default model, no features.
     models: frozenset[str] = frozenset()
     features: frozenset[str] = frozenset()
+    # The share of a card the capacity checks measured behind it, at most 1 (scoring.capacity; 1 until known): the
+    # slots it declares count only as far as a card backs them.
+    share: float = 1.0
     bucket_load: float = field(default=0.0, repr=False)  # the router's bookkeeping: the load bucket it sits in
     sampler_load: float | None = field(default=None, repr=False)  # and its sampler bucket (None: in none)
 
     @property
     def load(self) -> float:
-        return (self.in_flight + self.elsewhere) / self.slots
+        """Streams on it over the slots its measured share of a card backs (at least one)."""
+        return (self.in_flight + self.elsewhere) / max(1.0, self.slots * self.share)
 
 
 @dataclass(slots=True, eq=False)

@@ -28,6 +28,10 @@ Two refinements, both measured by ``scripts/soak.py``:
   only when none is free does it go to any miner. A stock runtime (SGLang, llama-server, vLLM without the plugin)
   answers it with its own RNG: a free draw no audit can check token by token, so its tokens are not paid and the
   user's answer is unverified. Greedy requests, which every runtime serves verifiably, go anywhere.
+* *Slots a card backs.* Least-in-flight divides a miner's streams by the slots it declares, times the share of a
+  card its capacity checks measured (at most 1, :attr:`MinerState.share`). Declared slots are the miner's word: one
+  card as two hotkeys of 4 slots each was found free where an honest card of 4 was not, and got 1.15x its requests
+  (issue 38; its two hotkeys each measured at 0.4 of a card).
 * *Quarantine is out.* A miner whose answers failed their audits (:meth:`Router.set_quarantined`)
   is never picked for organic traffic, not even as a last resort: a user must not get an answer
   the validator knows to be wrong. Probes still reach it (:meth:`Router.acquire_uid`).
@@ -148,11 +152,16 @@ class Router:
         if self.on_room is not None:  # new miners: room for those waiting
             self.on_room()
 
-    def set_scores(self, scores: Mapping[str, float]) -> None:
-        """Routing scores keyed by hotkey (so a re-registered UID cannot inherit a score)."""
+    def set_scores(self, scores: Mapping[str, float], shares: Mapping[str, float] | None = None) -> None:
+        """Routing scores keyed by hotkey (so a re-registered UID cannot inherit a score), and with ``shares`` the
+        share of a card each hotkey's capacity checks measured (:attr:`MinerState.share`: least-in-flight counts its
+        declared slots only as far as a card backs them; a hotkey not in it counts them all)."""
         for m in self._miners.values():
             s = scores.get(m.hotkey)
             m.score = None if s is None else _clean_score(s)
+            if shares is not None:
+                share = shares.get(m.hotkey, 1.0)
+                m.share = min(1.0, share) if share > 0 else 0.0
         if self._fixed_prior is None:
             known = sorted(m.score for m in self._miners.values() if m.score is not None)
             self._prior = known[len(known) // 2] if known else 1.0

@@ -273,6 +273,11 @@ class Scorer:
         """Routing credit per hotkey (see the module docstring for the policy)."""
         return {hk: s for hk, s in self._routing.items() if math.isfinite(s)}
 
+    def routing_shares(self) -> dict[str, float]:
+        """The cards each routed hotkey's capacity checks measured (:meth:`CapacityBook.multiplier`): the router
+        counts a hotkey's declared slots only as far as a card backs them."""
+        return {hk: self.capacity.multiplier(hk) for hk in self._routing}
+
     def settled(self) -> dict[str, float]:
         return self.settlement.settled()
 

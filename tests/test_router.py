@@ -437,3 +437,29 @@ def test_request_work_and_its_stride_are_bounded() -> None:
     big = r.acquire(work=100.0 * 100)
     assert big is not None
     assert big.miner.passes <= 1.0 + HORIZON  # 40 strides unclamped
+
+
+def test_declared_slots_count_only_as_far_as_a_measured_card_backs_them() -> None:
+    """Issue 38: one card as two hotkeys of 4 slots each, each measured at 0.4 of a card, looked free where an honest
+    card of 4 slots did not (1 stream on 4 slots against 2), and the pair got 1.15x an honest card's requests. With
+    the measured share its 4 slots are 1.6 of a card's: 1 stream there is more load than 2 on the honest card."""
+    r = Router(rng=random.Random(3))
+    r.sync([Candidate(uid=1, hotkey="honest", endpoint="h:1", slots=4),
+            Candidate(uid=2, hotkey="half", endpoint="s:1", slots=4)])
+    held = [r.acquire_uid(1), r.acquire_uid(1), r.acquire_uid(2)]
+    assert all(lease is not None for lease in held)
+    r.set_scores({"honest": 1.0, "half": 1.0})  # declared slots taken at their word
+    picked = r.acquire()
+    assert picked is not None and picked.miner.uid == 2  # 1/4 < 2/4: the split hotkey looked free
+    r.release(picked)
+    r.set_scores({"honest": 1.0, "half": 1.0}, {"honest": 1.0, "half": 0.4})
+    assert r.get(2) is not None and r.get(2).load == pytest.approx(1 / 1.6)  # type: ignore[union-attr]
+    picked = r.acquire()
+    assert picked is not None and picked.miner.uid == 1  # 2/4 < 1/1.6: the card with room gets it
+    r.release(picked)
+    # an honest card (read as one card, or more) and a hotkey not yet measured count every declared slot
+    r.set_scores({"honest": 1.0, "half": 1.0}, {"honest": 2.3})
+    assert r.get(1).share == 1.0 and r.get(2).share == 1.0  # type: ignore[union-attr]
+    for lease in held:
+        assert lease is not None
+        r.release(lease)

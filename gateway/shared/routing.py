@@ -27,8 +27,8 @@ KEY = "routing"
 def view(router: Router) -> str:
     """What the gateways need of the scorer's router, as JSON."""
     miners = [{"uid": m.uid, "hotkey": m.hotkey, "endpoint": m.endpoint, "slots": m.slots, "score": m.score,
-               "quarantined": m.quarantined, "models": sorted(m.models), "features": sorted(m.features),
-               "sampler": m.declares_sampler} for m in router.miners()]
+               "share": m.share, "quarantined": m.quarantined, "models": sorted(m.models),
+               "features": sorted(m.features), "sampler": m.declares_sampler} for m in router.miners()]
     return json.dumps({"miners": miners}, separators=(",", ":"))
 
 
@@ -37,7 +37,8 @@ def apply(router: Router, data: dict[str, Any]) -> None:
     miners = data["miners"]
     router.sync(Candidate(uid=int(d["uid"]), hotkey=str(d["hotkey"]), endpoint=str(d["endpoint"]),
                           slots=int(d["slots"])) for d in miners)
-    router.set_scores({str(d["hotkey"]): float(d["score"]) for d in miners if d["score"] is not None})
+    router.set_scores({str(d["hotkey"]): float(d["score"]) for d in miners if d["score"] is not None},
+                      {str(d["hotkey"]): float(d.get("share", 1.0)) for d in miners})
     router.set_quarantined({str(d["hotkey"]) for d in miners if d["quarantined"]})
     for d in miners:
         m = router.get(int(d["uid"]))

@@ -257,7 +257,7 @@ class Validator:
         self.router.sync(cands)
         joined = [m for m in self.router.miners() if id(m) not in before]
         # A UID whose hotkey changed starts from nothing: scores are keyed by hotkey.
-        self.router.set_scores(self.scorer.routing_scores())
+        self.router.set_scores(self.scorer.routing_scores(), self.scorer.routing_shares())
         self.router.set_quarantined(self.quarantined())
         logger.debug("metagraph: {} neurons, {} routable miners", len(neurons), len(cands))
         if joined and self._tasks:  # a miner new to the router: what it serves before its first request
@@ -293,7 +293,7 @@ class Validator:
         report = self.scorer.close_round(time.time(), quarantined=quarantined)
         if self.auditor is not None:
             self.auditor.new_round()
-        self.router.set_scores(self.scorer.routing_scores())
+        self.router.set_scores(self.scorer.routing_scores(), self.scorer.routing_shares())
         weights = self.scorer.weights(self.hotkey_to_uid, exclude=quarantined)
         table = report.format_table(weights=weights, quarantined=quarantined)
         if self.auditor is not None:

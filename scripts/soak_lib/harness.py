@@ -344,7 +344,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
                     auditor.new_round()
                 _close(scorer, router, result, miners, alive, current, hk2uid, quarantined)
                 for p in others:  # what the validator publishes for its other gateways (gateway.shared.routing)
-                    p.router.set_scores(scorer.routing_scores())
+                    p.router.set_scores(scorer.routing_scores(), scorer.routing_shares())
                     p.router.set_quarantined(quarantined)
                 current.clear()
         finally:
@@ -362,7 +362,7 @@ async def run_scenario(sc: Scenario, router_kind: str, opts: RunOptions) -> RunR
 def _close(scorer: Scorer, router: Router, result: RunResult, miners: list[MinerInfo], alive: dict[str, bool],
            batch: list[Measurement], hk2uid: dict[str, int], quarantined: set[str] | None = None) -> None:
     report = scorer.close_round(quarantined=quarantined or frozenset())
-    router.set_scores(scorer.routing_scores())
+    router.set_scores(scorer.routing_scores(), scorer.routing_shares())
     weights = scorer.weights(hk2uid, exclude=quarantined or set())
     rows = report.by_hotkey()
     served_total = sum(1 for x in batch if not x.probe and x.ok)
