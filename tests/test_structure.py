@@ -27,8 +27,6 @@ LARGE_MODULES: dict[str, int] = {}
 LONG_FUNCTIONS = {
     "neurons/miner/runtimes/llama.py:stream": 109,
     "neurons/miner/scripted.py:_respond": 86,
-    "neurons/reference/calibrate.py:calibrate": 76,
-    "neurons/miner/cli.py:_run": 69,
 }
 
 

@@ -14,6 +14,7 @@ import contextlib
 import random
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 from loguru import logger
@@ -118,6 +119,66 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     return args
 
 
+class _Exit(Exception):
+    """Start-up failed with this exit status (its reason already logged in one line)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+async def _runtime(args: argparse.Namespace, stack: contextlib.AsyncExitStack) -> tuple[Runtime, int | None]:
+    """The runtime the flags name (an engine's server, the packaged model on llama.cpp, or a simulated card), and
+    the streams it runs at once in all (None: not a fixed number)."""
+    if args.runtime_url:
+        from .runtimes.proxy import ProxyRuntime
+
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        proxy = ProxyRuntime(args.runtime_url, session, model=args.runtime_model,
+                             sampler=SUBNET_SAMPLER if args.runtime_sampler == "subnet" else None,
+                             features=args.runtime_features)
+        await proxy.start()
+        if not proxy.health().ok:
+            logger.warning("runtime {}: {} (serving anyway; /health says so)", args.runtime_url, proxy.health().detail)
+        return proxy, None
+    if args.runtime_gguf:
+        from ..model.packaged import ModelUnavailable
+        from .runtimes.llama import LlamaRuntime
+
+        try:
+            llama = LlamaRuntime(args.model_file, slots=args.runtime_contexts or args.slots,
+                                 threads=args.runtime_threads, seed=args.runtime_seed)
+            await llama.start()
+        except ModelUnavailable as e:
+            logger.error("{}", e)
+            raise _Exit(2) from None
+        stack.push_async_callback(llama.aclose)
+        return llama, llama.capacity
+    rng = random.Random(args.runtime_seed) if args.runtime_seed is not None else None
+    return SimulatedRuntime(parse_profile(args.runtime_sim), rng=rng), None
+
+
+async def _trust(args: argparse.Namespace, keypair: Any, stack: contextlib.AsyncExitStack) -> Trust:
+    """Who may call: the hotkeys ``--allow`` names, else the permit holders of the subnet (read from the chain and
+    refreshed)."""
+    if args.allow:
+        return AllowList(args.allow)
+    from ..chain.subtensor import SubtensorChain
+
+    try:
+        chain = await SubtensorChain.connect(args.network, args.netuid, keypair)
+    except Exception as e:
+        logger.error("cannot reach netuid {} on {}: {} (or pass --allow HOTKEY for local mode)",
+                     args.netuid, args.network, e)
+        raise _Exit(1) from None
+    stack.push_async_callback(chain.close)
+    permit = PermitTrust(chain, refresh_s=args.trust_refresh, min_stake=args.trust_min_stake)
+    await permit.refresh()
+    refresher = asyncio.create_task(permit.run())
+    stack.callback(refresher.cancel)
+    return permit
+
+
 async def _run(args: argparse.Namespace) -> int:
     from ..keys import MissingKeyError, dev_keypair, load_hotkey
 
@@ -128,55 +189,11 @@ async def _run(args: argparse.Namespace) -> int:
         logger.error("{}", e)
         return 2
     async with contextlib.AsyncExitStack() as stack:
-        runtime: Runtime
-        contexts: int | None = None  # streams the runtime runs at once in all (None: not a fixed number)
-        if args.runtime_url:
-            from .runtimes.proxy import ProxyRuntime
-
-            session = await stack.enter_async_context(aiohttp.ClientSession())
-            proxy = ProxyRuntime(args.runtime_url, session, model=args.runtime_model,
-                                 sampler=SUBNET_SAMPLER if args.runtime_sampler == "subnet" else None,
-                                 features=args.runtime_features)
-            await proxy.start()
-            if not proxy.health().ok:
-                logger.warning("runtime {}: {} (serving anyway; /health says so)", args.runtime_url,
-                               proxy.health().detail)
-            runtime = proxy
-        elif args.runtime_gguf:
-            from ..model.packaged import ModelUnavailable
-            from .runtimes.llama import LlamaRuntime
-
-            try:
-                llama = LlamaRuntime(args.model_file, slots=args.runtime_contexts or args.slots,
-                                     threads=args.runtime_threads, seed=args.runtime_seed)
-                await llama.start()
-            except ModelUnavailable as e:
-                logger.error("{}", e)
-                return 2
-            stack.push_async_callback(llama.aclose)
-            runtime = llama
-            contexts = llama.capacity
-        else:
-            rng = random.Random(args.runtime_seed) if args.runtime_seed is not None else None
-            runtime = SimulatedRuntime(parse_profile(args.runtime_sim), rng=rng)
-        trust: Trust
-        if args.allow:
-            trust = AllowList(args.allow)
-        else:
-            from ..chain.subtensor import SubtensorChain
-
-            try:
-                chain = await SubtensorChain.connect(args.network, args.netuid, keypair)
-            except Exception as e:
-                logger.error("cannot reach netuid {} on {}: {} (or pass --allow HOTKEY for local mode)",
-                             args.netuid, args.network, e)
-                return 1
-            stack.push_async_callback(chain.close)
-            permit = PermitTrust(chain, refresh_s=args.trust_refresh, min_stake=args.trust_min_stake)
-            await permit.refresh()
-            refresher = asyncio.create_task(permit.run())
-            stack.callback(refresher.cancel)
-            trust = permit
+        try:
+            runtime, contexts = await _runtime(args, stack)
+            trust = await _trust(args, keypair, stack)
+        except _Exit as e:
+            return e.status
         runner, port = await start_miner(keypair, runtime, slots=args.slots, trust=trust, host=args.axon_ip,
                                          contexts=contexts, models=args.serve_models,
                                          port=args.axon_port, max_body_bytes=args.max_body)

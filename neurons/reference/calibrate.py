@@ -20,6 +20,7 @@ import asyncio
 import random
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,42 @@ async def _miner_identity(session: aiohttp.ClientSession, url: str) -> tuple[str
     return hotkey, sampler if isinstance(sampler, str) else None
 
 
+@dataclass
+class _Tally:
+    """The honest spread of the answers replayed so far, and how many could not be."""
+
+    gaps: list[float] = field(default_factory=list)
+    zs: list[float] = field(default_factory=list)
+    excess: list[float] = field(default_factory=list)
+    misses: int = 0
+    positions: int = 0
+    failed: int = 0
+    skipped: int = 0
+    free: int = 0
+
+    def add(self, got: tuple[list[float], list[float], Verdict] | None) -> None:
+        """One answer's replay (:func:`spread_of`): its gaps, its excess over the nucleus and its verdict; None: the
+        answer could not be replayed."""
+        if got is None:
+            self.skipped += 1
+            return
+        gaps, excess, verdict = got
+        self.gaps += gaps
+        self.excess += excess
+        self.misses += verdict.misses
+        self.positions += verdict.positions
+        self.failed += not verdict.passed
+        if verdict.z is not None:
+            self.zs.append(abs(verdict.z))
+            self.free += 1
+
+    def figures(self, answers: int) -> dict[str, Any]:
+        return {"replayed": answers - self.skipped, "positions": self.positions, "misses_at_default_band": self.misses,
+                "failed_at_default_bands": self.failed, "worst_nucleus_excess": max(self.excess, default=0.0),
+                "worst_gap": max(self.gaps, default=0.0), "max_abs_z": max(self.zs, default=0.0),
+                "free_draws": self.free}
+
+
 async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
     from ..validator.prompts import MIXES, PromptGenerator, asking_nucleus
 
@@ -97,10 +134,7 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
     await ref.load(path, n_ctx=args.context, threads=args.threads)
     base = AuditBands()
     prompts = PromptGenerator(random.Random(args.seed), MIXES[args.mix])
-    gaps: list[float] = []
-    zs: list[float] = []
-    excess: list[float] = []
-    misses = positions = failed = skipped = free = 0
+    tally = _Tally()
     t0 = time.monotonic()
     try:
         for i in range(args.answers):
@@ -112,47 +146,31 @@ async def calibrate(args: argparse.Namespace, keypair: Any) -> int:
                 m = await upstream.probe(lease, payload if args.top_p is None else asking_nucleus(payload, args.top_p))
             finally:
                 router.release(lease)
-            if not m.ok or m.answer is None:
-                skipped += 1
-                continue
-            got = await ref.run(spread_of, m.answer, base)
-            if got is None:
-                skipped += 1
-                continue
-            answer_gaps, answer_excess, verdict = got
-            gaps += answer_gaps
-            excess += answer_excess
-            misses += verdict.misses
-            positions += verdict.positions
-            failed += not verdict.passed
-            if verdict.z is not None:
-                zs.append(abs(verdict.z))
-                free += 1
+            tally.add(None if not m.ok or m.answer is None else await ref.run(spread_of, m.answer, base))
             if (i + 1) % 50 == 0:
                 logger.info("{} of {} answers replayed", i + 1, args.answers)
     finally:
         await upstream.client.close()
         await ref.aclose()
-    if not positions and not zs:
-        logger.error("no answer could be replayed ({} skipped): nothing to calibrate from", skipped)
+    t = tally
+    if not t.positions and not t.zs:
+        logger.error("no answer could be replayed ({} skipped): nothing to calibrate from", t.skipped)
         return 1
-    spread = HonestSpread(gaps=gaps, misses=misses, positions=positions, z=zs, nucleus_excess=excess)
-    outside = sum(e >= base.seeded_nucleus_slack for e in excess)
+    spread = HonestSpread(gaps=t.gaps, misses=t.misses, positions=t.positions, z=t.zs, nucleus_excess=t.excess)
+    outside = sum(e >= base.seeded_nucleus_slack for e in t.excess)
     bands, test = bands_from(spread)
-    refusal = _refusal(misses, positions, over_ceiling(bands, test))
+    refusal = _refusal(t.misses, t.positions, over_ceiling(bands, test))
     if refusal:
         logger.error("{}; no bands written", refusal)
         return 2
     measured = {"miner": url, "miner_hotkey": hotkey, "reference": str(path), "answers": args.answers,
-                "replayed": args.answers - skipped, "positions": positions, "misses_at_default_band": misses,
-                "failed_at_default_bands": failed, "outside_nucleus_at_default_slack": outside,
-                "worst_nucleus_excess": max(excess, default=0.0), "worst_gap": max(gaps, default=0.0),
-                "max_abs_z": max(zs, default=0.0), "seconds": round(time.monotonic() - t0, 1),
-                "free_sampling": bool(args.free_sampling), "free_draws": free, "top_p": args.top_p}
+                **t.figures(args.answers), "outside_nucleus_at_default_slack": outside,
+                "seconds": round(time.monotonic() - t0, 1), "free_sampling": bool(args.free_sampling),
+                "top_p": args.top_p}
     save_bands(Path(args.out), bands, test, measured=measured)
     logger.info("honest spread: {} positions, {} off the default near-tie band ({} outside the nucleus), worst gap "
-                "{:.2f}; {} answers of {} failed the default bands", positions, misses, outside, max(gaps, default=0.0),
-                failed, args.answers - skipped)
+                "{:.2f}; {} answers of {} failed the default bands", t.positions, t.misses, outside,
+                max(t.gaps, default=0.0), t.failed, args.answers - t.skipped)
     logger.info("wrote {}: {}", args.out, describe(bands, test))
     return 0
 
