@@ -22,12 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 PRODUCT = ("gateway", "scoring", "neurons")
 MODULE_MAX_LINES = 450
 FUNCTION_MAX_LINES = 60
-# Over the limits today (2026-12-06), at their size then: they may shrink, not grow; remove a line once it is under.
+# Over the limits, at their size when listed: they may shrink, not grow (none since 2026-12-06: a new one fails).
 LARGE_MODULES: dict[str, int] = {}
-LONG_FUNCTIONS = {
-    "neurons/miner/runtimes/llama.py:stream": 109,
-    "neurons/miner/scripted.py:_respond": 86,
-}
+LONG_FUNCTIONS: dict[str, int] = {}
 
 
 def _modules() -> Iterator[Path]:

@@ -255,15 +255,7 @@ class FakeMiner:
         if s.behavior == "hang_headers":
             await asyncio.sleep(HANG_S)
         await until(s.headers_delay)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           SLOTS_HEADER: str(self.slots)})
-        if self.sampler:
-            resp.headers[SAMPLER_HEADER] = self.sampler
-        if s.behavior == "gzip":
-            resp.headers["Content-Encoding"] = "gzip"
-        elif s.behavior == "not_sse":
-            resp.headers["Content-Type"] = "application/json"
-        await resp.prepare(request)
+        resp = await self._head(request)
         if s.behavior in ("gzip", "not_sse"):  # the slot stays held until the gateway closes the connection
             await resp.write(b"\x1f\x8b" if s.behavior == "gzip" else b"{")
             await asyncio.sleep(HANG_S)
@@ -281,15 +273,11 @@ class FakeMiner:
             await asyncio.sleep(HANG_S)  # the gateway must stop reading on its own
             return resp
         max_tokens = requested_max_tokens(body, s.tokens)
-        n = s.tokens if s.behavior == "overlong" else min(s.tokens, max_tokens)
-        if s.behavior == "empty":
-            n = 0
+        n = 0 if s.behavior == "empty" else s.tokens if s.behavior == "overlong" else min(s.tokens, max_tokens)
         tool = tool_to_call(body) if s.behavior == "ok" else None
         if tool is not None:  # a tool call in place of text, as a runtime's tool parser streams it
-            frames = call_frames(out, [(tool, json.dumps({"q": self.token(0).strip()}))], None, f"call_{self.tag}",
-                                 pieces_per_call=max(1, n - 1))
             await until(s.headers_delay + s.first_token_delay)
-            await resp.write(prelude + b"".join(frames) + frame(out.chunk({}, "tool_calls")) + DONE_FRAME)
+            await resp.write(prelude + self._call(out, tool, n))
             await resp.write_eof()
             return resp
         texts = [self.token(i) if not s.token_chars else "x" * s.token_chars for i in range(n)]
@@ -299,33 +287,62 @@ class FakeMiner:
         pending = prelude
         for i in range(n):
             if s.behavior in ("stall_after", "drop_after") and i == s.after:
-                if pending:
-                    await resp.write(pending)
-                if s.behavior == "stall_after":
-                    await asyncio.sleep(HANG_S)
-                assert request.transport is not None
-                request.transport.abort()  # cut mid-stream: no terminating chunk
+                await self._cut(request, resp, pending)
                 return resp
             await until(s.headers_delay + s.first_token_delay + i * s.token_delay)
-            text = texts[i]
-            if logprobs:
-                chunk = frame(out.chunk({"content": text}, None, logprobs_of(text, -0.5 - i / 100)))
-            else:
-                chunk = out.tokens(text, [100 + i] * s.ids_per_token) if s.ids_per_token else out.content(text)
-            await resp.write(pending + chunk)
+            await resp.write(pending + self._chunk(out, texts[i], i, logprobs=logprobs))
             pending = b""
             if s.behavior == "gated" and i == 0:
                 await self.gate.wait()
-        tail = [pending, frame(out.chunk({}, "length" if n >= max_tokens else "stop"))]
+        with contextlib.suppress(ConnectionError):
+            await resp.write(pending + self._tail(out, body, n, finish="length" if n >= max_tokens else "stop"))
+            await resp.write_eof()
+        return resp
+
+    def _chunk(self, out: ChunkFramer, text: str, i: int, *, logprobs: bool) -> bytes:
+        """Token ``i``'s chunk: with logprobs when asked, else naming ``ids_per_token`` ids (or none)."""
+        if logprobs:
+            return frame(out.chunk({"content": text}, None, logprobs_of(text, -0.5 - i / 100)))
+        ids = self.script.ids_per_token
+        return out.tokens(text, [100 + i] * ids) if ids else out.content(text)
+
+    async def _cut(self, request: web.Request, resp: web.StreamResponse, pending: bytes) -> None:
+        """End the stream mid-answer with no terminating chunk (``stall_after`` hangs first)."""
+        if pending:
+            await resp.write(pending)
+        if self.script.behavior == "stall_after":
+            await asyncio.sleep(HANG_S)
+        assert request.transport is not None
+        request.transport.abort()
+
+    def _call(self, out: ChunkFramer, tool: str, n: int) -> bytes:
+        """A call of ``tool`` in ``n`` pieces, its finish chunk and ``[DONE]``."""
+        frames = call_frames(out, [(tool, json.dumps({"q": self.token(0).strip()}))], None, f"call_{self.tag}",
+                             pieces_per_call=max(1, n - 1))
+        return b"".join(frames) + frame(out.chunk({}, "tool_calls")) + DONE_FRAME
+
+    async def _head(self, request: web.Request) -> web.StreamResponse:
+        """The answer's head, as the script has it (its slots, its sampler, a wrong encoding or content type)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           SLOTS_HEADER: str(self.slots)})
+        if self.sampler:
+            resp.headers[SAMPLER_HEADER] = self.sampler
+        if self.script.behavior == "gzip":
+            resp.headers["Content-Encoding"] = "gzip"
+        elif self.script.behavior == "not_sse":
+            resp.headers["Content-Type"] = "application/json"
+        await resp.prepare(request)
+        return resp
+
+    def _tail(self, out: ChunkFramer, body: dict[str, Any], n: int, *, finish: str) -> bytes:
+        """The finish chunk, the usage chunk when asked for, and ``[DONE]`` (left out by the ``no_done`` script)."""
+        tail = [frame(out.chunk({}, finish))]
         options = body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage") is True:
             tail.append(out.usage({"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}))
-        if s.behavior != "no_done":
+        if self.script.behavior != "no_done":
             tail.append(DONE_FRAME)
-        with contextlib.suppress(ConnectionError):
-            await resp.write(b"".join(tail))
-            await resp.write_eof()
-        return resp
+        return b"".join(tail)
 
 
 def _error(status: int, message: str, type: str, code: str | None,

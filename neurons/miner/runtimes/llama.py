@@ -129,38 +129,23 @@ class LlamaRuntime:
             raise RuntimeFailure("messages must be a list", status=400, type="invalid_request_error",
                                  code="invalid_value")
         messages = prompt_messages(payload)  # tools in the subnet's format: the prompt the reference renders too
-        gate = CallGate() if payload.get("tools") and payload.get("tool_choice", "auto") != "none" else None
         max_tokens = requested_max_tokens(payload)
         sampling = SamplingParams.of(payload)
         seed = payload.get("seed")
         rng = random.Random(seed) if isinstance(seed, int) and not isinstance(seed, bool) else \
             random.Random(self._rng.getrandbits(64))
-        options = payload.get("stream_options")
+        options, named = payload.get("stream_options"), payload.get("model")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        want_ids = payload.get("return_token_ids") is True
-        named = payload.get("model")
         out = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()),
                           named if isinstance(named, str) else self.model)
-
-        stops = _stop_strings(payload.get("stop"))
+        framing = _Framing(out, _stop_strings(payload.get("stop")), want_ids=payload.get("return_token_ids") is True,
+                           gate=payload.get("tools") and payload.get("tool_choice", "auto") != "none")
         worker = await self._context()
         self._active += 1
-        loop = asyncio.get_running_loop()
-        items: asyncio.Queue[Any] = asyncio.Queue()
-        cancel = threading.Event()
+        bridge = _Bridge(asyncio.get_running_loop())
+        items, cancel = bridge.items, bridge.cancel
         self._cancels.add(cancel)
-
-        def put(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(items.put_nowait, item)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is reading, stop
-                cancel.set()
-
-        def slot_free(_job: object) -> None:
-            with contextlib.suppress(RuntimeError):  # at shutdown the loop may be closed: no pool to return to
-                loop.call_soon_threadsafe(self._return, worker)
-
-        job = worker.submit(_run, self._generate, messages, max_tokens, sampling, rng, cancel, put)
+        job = worker.submit(_run, self._generate, messages, max_tokens, sampling, rng, cancel, bridge.put)
         try:
             first = await items.get()
             if isinstance(first, BaseException):
@@ -170,18 +155,7 @@ class LlamaRuntime:
                                      code="runtime_error")
             prompt_tokens = int(first)
             yield frame(out.chunk({"role": "assistant"}, None))
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            text_out = StopMatcher(stops)
-            held: list[int] = []
-            completion = 0
             finish = "length"
-
-            def framed(pieces: list[tuple[str, list[int]]]) -> list[bytes]:
-                return [out.tokens(t, ids) if want_ids else out.content(t) for t, ids in pieces if t or ids]
-
-            def chunks(pieces: list[tuple[str, list[int]]]) -> list[bytes]:
-                return framed(pieces if gate is None else gate.feed(pieces))
-
             while True:
                 item = await items.get()
                 if item is _END:
@@ -191,37 +165,14 @@ class LlamaRuntime:
                     continue
                 if isinstance(item, BaseException):
                     raise _failure(item)
-                batch: list[bytes] = []
-                for token_id, piece in item:
-                    completion += 1
-                    held.append(token_id)
-                    text = decoder.decode(piece)
-                    if text:
-                        batch += chunks(text_out.feed(text, held))
-                        held = []
-                        if text_out.stopped:
-                            break
-                if batch:
-                    yield b"".join(batch)
-                if text_out.stopped:  # a stop string: the rest is not generated
+                data = framing.feed(item)
+                if data:
+                    yield data
+                if framing.stopped:  # a stop string: the rest is not generated
                     cancel.set()
                     finish = "stop"
                     break
-            tail: list[bytes] = []
-            if not text_out.stopped:
-                tail_text = decoder.decode(b"", final=True)
-                tail += chunks(text_out.feed(tail_text, held) if tail_text or held else [])
-                tail += chunks(text_out.flush())
-            if gate is not None:
-                frames, called = gate.close(out, framed, want_ids)
-                tail += frames
-                finish = "tool_calls" if called else finish
-            tail.append(frame(out.chunk({}, finish)))
-            if include_usage:
-                tail.append(out.usage({"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                                       "total_tokens": prompt_tokens + completion}))
-            tail.append(DONE_FRAME)
-            yield b"".join(tail)
+            yield framing.close(finish, prompt_tokens if include_usage else None)
         finally:
             cancel.set()
             self._cancels.discard(cancel)
@@ -229,7 +180,7 @@ class LlamaRuntime:
             # the context is free once its thread has left the job (a cancelled job stops at its next token or
             # prefill batch) and it is back in the pool; until then it is being released, and waited for
             self._releasing += 1
-            job.add_done_callback(slot_free)
+            job.add_done_callback(lambda _job: bridge.call_soon(self._return, worker))
 
     def _return(self, worker: EngineThread) -> None:
         self._releasing -= 1
@@ -249,6 +200,87 @@ def _stop_strings(raw: Any) -> tuple[str, ...]:
         raise RuntimeFailure(f"stop must be a string or a list of at most {MAX_STOPS} strings", status=400,
                              type="invalid_request_error", code="invalid_value")
     return tuple(x for x in stops if x)
+
+
+class _Bridge:
+    """What one answer's decoding thread hands the event loop: its items through a queue, and the cancel it checks
+    at every token and prefill batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancel = threading.Event()
+
+    def put(self, item: Any) -> None:
+        """On the decoding thread: one item for the stream."""
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is reading, stop
+            self.cancel.set()
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # at shutdown the loop may be closed: nothing to hand back to
+            self.loop.call_soon_threadsafe(fn, *args)
+
+
+class _Framing:
+    """One answer's tokens as frames: UTF-8 decoded across token boundaries, the client's stop strings honoured
+    (:class:`StopMatcher`), an answer that may be a tool call held back (:class:`~.features.CallGate`, with
+    ``gate``), each chunk naming its ids when asked (``want_ids``)."""
+
+    def __init__(self, out: ChunkFramer, stops: tuple[str, ...], *, want_ids: bool, gate: Any) -> None:
+        self.out = out
+        self.want_ids = want_ids
+        self.gate = CallGate() if gate else None
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text_out = StopMatcher(stops)
+        self.held: list[int] = []  # ids of bytes not yet a whole character
+        self.completion = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.text_out.stopped
+
+    def _framed(self, pieces: list[tuple[str, list[int]]]) -> list[bytes]:
+        out, want_ids = self.out, self.want_ids
+        return [out.tokens(t, ids) if want_ids else out.content(t) for t, ids in pieces if t or ids]
+
+    def _chunks(self, pieces: list[tuple[str, list[int]]]) -> list[bytes]:
+        return self._framed(pieces if self.gate is None else self.gate.feed(pieces))
+
+    def feed(self, item: list[tuple[int, bytes]]) -> bytes:
+        """A batch of (id, bytes) from the decoding thread: the frames that may be sent now."""
+        batch: list[bytes] = []
+        for token_id, piece in item:
+            self.completion += 1
+            self.held.append(token_id)
+            text = self.decoder.decode(piece)
+            if text:
+                batch += self._chunks(self.text_out.feed(text, self.held))
+                self.held = []
+                if self.text_out.stopped:
+                    break
+        return b"".join(batch)
+
+    def close(self, finish: str, prompt_tokens: int | None) -> bytes:
+        """What is left, the finish chunk (``tool_calls`` when the held answer was a call), the usage chunk with
+        ``prompt_tokens``, and ``[DONE]``."""
+        tail: list[bytes] = []
+        if not self.text_out.stopped:
+            tail_text = self.decoder.decode(b"", final=True)
+            tail += self._chunks(self.text_out.feed(tail_text, self.held) if tail_text or self.held else [])
+            tail += self._chunks(self.text_out.flush())
+        if self.gate is not None:
+            frames, called = self.gate.close(self.out, self._framed, self.want_ids)
+            tail += frames
+            finish = "tool_calls" if called else finish
+        tail.append(frame(self.out.chunk({}, finish)))
+        if prompt_tokens is not None:
+            n = self.completion
+            tail.append(self.out.usage({"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                        "total_tokens": prompt_tokens + n}))
+        tail.append(DONE_FRAME)
+        return b"".join(tail)
 
 
 class StopMatcher:
