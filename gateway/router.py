@@ -28,10 +28,10 @@ Two refinements, both measured by ``scripts/soak.py``:
   only when none is free does it go to any miner. A stock runtime (SGLang, llama-server, vLLM without the plugin)
   answers it with its own RNG: a free draw no audit can check token by token, so its tokens are not paid and the
   user's answer is unverified. Greedy requests, which every runtime serves verifiably, go anywhere.
-* *Slots a card backs.* Least-in-flight divides a miner's streams by the slots it declares, times the share of a
-  card its capacity checks measured (at most 1, :attr:`MinerState.share`). Declared slots are the miner's word: one
-  card as two hotkeys of 4 slots each was found free where an honest card of 4 was not, and got 1.15x its requests
-  (issue 38; its two hotkeys each measured at 0.4 of a card).
+* *Slots a card backs.* Least-in-flight divides a miner's streams by the slots it declares, times the share of them
+  its measured card backs (at most 1, :attr:`MinerState.share`, from :func:`scoring.capacity.slot_share`). Declared
+  slots are the miner's word: one card as two hotkeys of 4 slots each was found free where an honest card of 4 was
+  not, and got 1.15x its requests (issue 38; its two hotkeys each measured at 0.4 of a card).
 * *Quarantine is out.* A miner whose answers failed their audits (:meth:`Router.set_quarantined`)
   is never picked for organic traffic, not even as a last resort: a user must not get an answer
   the validator knows to be wrong. Probes still reach it (:meth:`Router.acquire_uid`).

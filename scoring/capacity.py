@@ -100,6 +100,17 @@ def cards(ratio: float) -> float:
     return 1.0 + (ratio - hi) * (WHOLE_FROM - 1.0) / (WHOLE_FROM - hi)
 
 
+def slot_share(multiplier: float) -> float:
+    """How much of its declared slots a hotkey's card backs, for least-in-flight (:attr:`gateway.router.MinerState.
+    share`): all of them from a routing multiplier of :data:`ONE_CARD`'s lower end on (what the band calls one card),
+    in proportion below it. One card as two hotkeys reads ~0.35 each: 0.47 of each one's slots, the pair about one
+    card's; a card carrying other validators' load reads 0.7-0.9: 0.93-1.0 of its slots (issue 38: counting slots at
+    the multiplier itself routed that card 0.71x an unloaded card's requests beside CPU hogs)."""
+    if not math.isfinite(multiplier) or multiplier <= 0:
+        return 0.0
+    return min(1.0, multiplier / ONE_CARD[0])
+
+
 class CapacityBook:
     """Each hotkey's capacity ratios over the last ``window`` checks; routing follows their median."""
 

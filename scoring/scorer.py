@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from loguru import logger
 
 from gateway.protocol.measurement import Measurement
-from scoring.capacity import CapacityBook, capacity_ratio
+from scoring.capacity import CapacityBook, capacity_ratio, slot_share
 from scoring.credit import CreditConfig
 from scoring.pay import PayWindow, RoundPay, round_value
 from scoring.rounds import RoundAccumulator
@@ -274,9 +274,10 @@ class Scorer:
         return {hk: s for hk, s in self._routing.items() if math.isfinite(s)}
 
     def routing_shares(self) -> dict[str, float]:
-        """The cards each routed hotkey's capacity checks measured (:meth:`CapacityBook.multiplier`): the router
-        counts a hotkey's declared slots only as far as a card backs them."""
-        return {hk: self.capacity.multiplier(hk) for hk in self._routing}
+        """The share of its declared slots each routed hotkey's measured card backs (:func:`scoring.capacity.
+        slot_share` of its multiplier): the router counts a hotkey's declared slots only as far as a card backs
+        them."""
+        return {hk: slot_share(self.capacity.multiplier(hk)) for hk in self._routing}
 
     def settled(self) -> dict[str, float]:
         return self.settlement.settled()

@@ -241,3 +241,22 @@ async def test_capacity_checks_start_in_the_second_round() -> None:
     assert checks == []
     await runner.run_round(1, 0.05)
     assert checks == [2, 2]
+
+
+def test_a_card_backs_all_its_slots_from_one_cards_band_and_a_sybils_half_of_them() -> None:
+    """Issue 38: least-in-flight counts declared slots as far as a measured card backs them. A reading the one-card
+    band calls a card backs all; one card as two hotkeys (~0.35 each) backs about half of each one's slots, the pair
+    one card's; a card carrying other validators' load (0.7) nearly all of its own."""
+    from scoring.capacity import slot_share
+
+    lo, _ = ONE_CARD
+    assert slot_share(1.0) == slot_share(lo) == slot_share(2.0) == 1.0
+    assert slot_share(0.35) == pytest.approx(0.35 / lo) and 2 * 4 * slot_share(0.35) < 4 * 1.0
+    assert slot_share(0.7) > 0.9
+    assert slot_share(0.0) == slot_share(float("nan")) == 0.0
+    scorer = Scorer(CFG)
+    scorer.record(_check("shared", tokens=251, per_stream_tok_s=35.0))  # read at about a third of a card
+    scorer.record(_check("whole", tokens=251))
+    scorer.close_round(round_s=60.0)
+    shares = scorer.routing_shares()
+    assert shares["whole"] == 1.0 and shares["shared"] < 0.6
