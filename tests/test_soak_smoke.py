@@ -299,6 +299,10 @@ def test_adversarial_cheaters_out_earn_no_honest_card(smoke: tuple[str, dict]) -
     assert len(judged) >= 15
     failed = [f"{t['name']}: {t['detail']}" for t in judged if not t["ok"]]
     assert not failed, failed
+    # one card as 2 hotkeys, judged over the full runs at 1.05x: here, it must at least not earn a second card
+    (pair,) = [t["detail"] for t in run["targets"] if t["name"].startswith("cheater 'split-2'")]
+    ratio = re.search(r": ([\d.]+)x;", pair)
+    assert ratio is not None and float(ratio.group(1)) <= 1.3, pair
 
 
 def test_the_invisible_load_line_splits_its_weight_into_requests_served_and_pay_for_each(
