@@ -240,9 +240,6 @@ class Gateway:
             raise RuntimeError("gateway not started")
         return self._server.port
 
-    def served_models(self) -> list[str]:
-        return models.served_models(self)
-
     def authorize(self, headers: dict[str, str]) -> KeyPolicy:
         policy = self.auth.identify(headers.get("authorization"))
         if policy is None:
