@@ -25,7 +25,8 @@ A capacity-check stream is read once, by the capacity reading (:mod:`scoring.cap
 fills the card on purpose, so its speed says how much the card delivers, and the reading already prices that. Credited
 as well, a card carrying other validators' load paid twice for the same slow check streams (issue 38: a round of
 probes alone, three of them check streams, credited 0.41 beside an unloaded card's 0.9, and routing followed). Its
-failures still show (a refused check stream reads 0 cards), its audit still counts, and its work is still paid.
+failures still show (a refused check stream reads 0 cards) and its audit still counts; like every probe, it is not
+paid (:func:`scoring.pay.paid_tokens`).
 
 Example::
 
