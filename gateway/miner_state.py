@@ -47,9 +47,14 @@ class MinerState:
     sampler_load: float | None = field(default=None, repr=False)  # and its sampler bucket (None: in none)
 
     @property
+    def backed_slots(self) -> float:
+        """The slots it declares as far as its measured share of a card backs them (at least one)."""
+        return max(1.0, self.slots * self.share)
+
+    @property
     def load(self) -> float:
-        """Streams on it over the slots its measured share of a card backs (at least one)."""
-        return (self.in_flight + self.elsewhere) / max(1.0, self.slots * self.share)
+        """Streams on it over the slots its card backs."""
+        return (self.in_flight + self.elsewhere) / self.backed_slots
 
 
 @dataclass(slots=True, eq=False)

@@ -400,9 +400,9 @@ class Router:
         return any(load < 1.0 for load in self._buckets)
 
     def free_slots(self) -> int:
-        """Slots free on routable miners, in all, as least-in-flight counts them (declared slots a measured card
-        backs, at least one a miner: :attr:`MinerState.load`), for the admission queue, only while requests wait."""
-        return sum(max(0, math.ceil(max(1.0, m.slots * m.share)) - m.in_flight - m.elsewhere)
+        """Slots free on routable miners, in all, as least-in-flight counts them (:attr:`MinerState.backed_slots`),
+        for the admission queue, only while requests wait."""
+        return sum(max(0, math.ceil(m.backed_slots) - m.in_flight - m.elsewhere)
                    for m in self._miners.values() if not m.quarantined)
 
     def routable(self) -> int:
