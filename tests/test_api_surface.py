@@ -15,6 +15,7 @@ from typing import Any
 
 import openai
 import pytest
+from pydantic import BaseModel
 
 from neurons.local_subnet import LocalSubnet, start_local_subnet, stop_local_subnet
 from neurons.validator.config import ValidatorConfig
@@ -96,6 +97,15 @@ async def test_tool_calls_json_mode_logprobs_n_and_completions(subnet: LocalSubn
             js = await client.chat.completions.create(model=FIRST, messages=ASK, max_tokens=12, response_format=rf)
             assert isinstance(json.loads(js.choices[0].message.content or ""), dict)
 
+        # the SDK's .parse() with a pydantic model: the simulated card answers a valid instance of its schema
+        class Weather(BaseModel):
+            city: str
+            celsius: float
+            hours: list[int]
+
+        parsed = await client.chat.completions.parse(model=FIRST, messages=ASK, max_tokens=12, response_format=Weather)
+        assert isinstance(parsed.choices[0].message.parsed, Weather)
+
         # logprobs, whole and streamed: one entry a token, the alternatives asked for
         lp = await client.chat.completions.create(model=FIRST, messages=ASK, max_tokens=6, logprobs=True,
                                                   top_logprobs=1)
@@ -135,7 +145,7 @@ async def test_tool_calls_json_mode_logprobs_n_and_completions(subnet: LocalSubn
 
     # the status page counts, per miner and rule, the answers no audit can check (not paid)
     miners = {m["uid"]: m for m in (await _status(subnet))["miners"]}
-    assert miners[1]["unaudited"]["tools"] >= 3 and miners[1]["unaudited"]["response_format"] == 2
+    assert miners[1]["unaudited"]["tools"] >= 3 and miners[1]["unaudited"]["response_format"] == 3
     assert miners[2]["unaudited"].get("model", 0) >= 1  # the second model has no reference
     assert miners[1]["models"] == [FIRST] and "tools" in miners[1]["features"]
 

@@ -19,6 +19,7 @@ class ScriptedReference:
     """Verdicts by hotkey: 'cheat' fails, 'boom' raises, 'long' cannot be replayed, others pass."""
 
     name = "scripted"
+    grammars = False
 
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay

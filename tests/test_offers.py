@@ -116,7 +116,12 @@ def test_audit_skip_names_what_the_reference_cannot_force() -> None:
     for forced in ("required", {"type": "function", "function": {"name": "f"}}):
         assert audit_skip({"messages": msgs, "tools": tools, "tool_choice": forced}, greedy=True,
                           tools=True) == "tool_choice"
+        # a reference that masks by the subnet's grammar (llama.cpp's) forces the call as the runtime decoded it
+        assert audit_skip({"messages": msgs, "tools": tools, "tool_choice": forced}, greedy=True, tools=True,
+                          grammars=True) is None
     assert audit_skip({"messages": msgs, "response_format": {"type": "json_object"}}, greedy=True) == "response_format"
+    assert audit_skip({"messages": msgs, "response_format": {"type": "json_object"}}, greedy=True,
+                      grammars=True) is None
     assert audit_skip({"messages": msgs, "logit_bias": {"5": 1}}, greedy=True) == "logit_bias"
     assert audit_skip({"messages": msgs, "top_k": 5}, greedy=True) is None  # greedy is the argmax either way
     assert audit_skip({"messages": msgs, "top_k": 5}, greedy=False) == "top_k"

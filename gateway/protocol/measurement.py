@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from loguru import logger
 
 from gateway.protocol.sampling import SamplingParams
+from gateway.protocol.structure import Structure
 
 
 class FailureReason(StrEnum):
@@ -72,6 +73,9 @@ class Answer:
     # the tool calls the client received, (name, arguments), in order: ``token_ids`` must spell them in the subnet's
     # tool format (gateway.protocol.tools); ``messages`` are then already the tool-rendered turns
     tool_calls: tuple[tuple[str, str], ...] | None = None
+    # the shape the request bound the answer to (JSON, a schema's instance, a forced tool call): the miner decoded
+    # under its grammar, the audit forces the ids under the same one (gateway.protocol.structure)
+    structure: Structure | None = None
 
     @property
     def temperature(self) -> float:

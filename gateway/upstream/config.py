@@ -34,6 +34,9 @@ class UpstreamLimits:
     # The reference renders tools in the subnet's tool format (gateway.protocol.tools): tool answers are audited.
     # False (the toy reference of the simulated cards): they are skipped (rule "tools").
     audit_tools: bool = False
+    # The reference masks by the subnet's grammar (neurons.model.grammar): answers bound to a shape (JSON output, a
+    # forced tool call) are audited. False: they are skipped (rules "response_format", "tool_choice").
+    audit_grammars: bool = False
     # Tokens of prompt + answer every miner must serve (the subnet model's context): a miner's "too long" for a
     # request that fits is its refusal, not the client's fault (refusals.may_not_fit).
     model_context: int = MODEL_CONTEXT

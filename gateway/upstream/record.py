@@ -9,6 +9,7 @@ from gateway.protocol.measurement import Answer, FailureReason, Measurement
 from ..metering import StreamMeter
 from ..protocol.miner_request import MinerRequest
 from ..protocol.sampling import SamplingParams
+from ..protocol.structure import structure_of
 from ..protocol.tools import prompt_messages
 
 if TYPE_CHECKING:
@@ -55,4 +56,5 @@ def answer_of(request: MinerRequest, sampling: SamplingParams, meter: StreamMete
         finish_reason=meter.finish_reason,
         tool_calls=tuple((c["function"]["name"], c["function"]["arguments"]) for _, c in sorted(meter.calls.items()))
         if meter.calls else None,
+        structure=structure_of(request.fields),
     )

@@ -282,7 +282,7 @@ class FakeMiner:
             return resp
         texts = [self.token(i) if not s.token_chars else "x" * s.token_chars for i in range(n)]
         if wants_json(body) and n:
-            texts = pieces(as_json("".join(texts)), n)
+            texts = pieces(as_json("".join(texts), body), n)
         logprobs = body.get("logprobs") is True
         pending = prelude
         for i in range(n):

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ import numpy.typing as npt
 from gateway.protocol.sampling import SamplingParams, asked_logprobs, seeded_token
 
 from .chat_template import END_OF_TURN, render
+from .grammar import Grammar, constrained
 from .packaged import ModelUnavailable, require_runtime
 
 _T = TypeVar("_T")
@@ -65,6 +67,26 @@ class LlamaEngine:
         end_of_turn = self._llm.tokenize(END_OF_TURN.encode(), add_bos=False, special=True)
         self.stop_ids = frozenset({int(self._llm.token_eos()), *(int(t) for t in end_of_turn[:1])})
         self._pieces: dict[int, bytes] = {}
+        self._grammar: Grammar | None = None  # the running job's (constrained): choose masks by it, push moves it
+
+    def grammar(self, text: str) -> Grammar:
+        """llama.cpp's grammar sampler for ``text`` over this model's vocabulary (close it when done); raises
+        :class:`~neurons.model.grammar.GrammarError` when llama.cpp refuses the grammar."""
+        return Grammar(self._lib.llama_model_get_vocab(self._llm.model), text, self.vocab_size)
+
+    @contextlib.contextmanager
+    def constrained(self, text: str | None) -> Iterator[None]:
+        """Decode the sequence begun inside under the grammar ``text`` (None: free text): :meth:`choose` draws only
+        tokens it allows, :meth:`push` moves it on."""
+        if text is None:
+            yield
+            return
+        with self.grammar(text) as g:
+            self._grammar = g
+            try:
+                yield
+            finally:
+                self._grammar = None
 
     # -- tokens ----------------------------------------------------------------------------------
 
@@ -111,7 +133,9 @@ class LlamaEngine:
         return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
 
     def push(self, token_id: int) -> None:
-        """Append one token to the sequence (decode step)."""
+        """Append one token to the sequence (decode step); under a grammar, it moves past the token too."""
+        if self._grammar is not None:
+            self._grammar.accept(token_id)
         self._llm.eval([token_id])
 
     def choose(self, logits: npt.NDArray[np.float32], sampling: SamplingParams, rng: random.Random,
@@ -119,8 +143,11 @@ class LlamaEngine:
         """The next token (``position`` in the answer) under the asked sampling.
 
         Greedy: the argmax. Seeded (every request a validator sends): the subnet's sampler. Otherwise
-        (a client calling the miner directly, with no seed) one draw from ``rng``.
+        (a client calling the miner directly, with no seed) one draw from ``rng``. Under a grammar
+        (:meth:`constrained`), from the tokens it allows.
         """
+        if self._grammar is not None:
+            logits = constrained(logits, self._grammar, sampling, position)
         if sampling.greedy:
             return int(np.argmax(logits))
         if sampling.seed is not None:

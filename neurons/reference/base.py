@@ -8,7 +8,7 @@ the soak). The first two replay on a :class:`ForcingEngine`, the one seam betwee
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -16,11 +16,15 @@ import numpy.typing as npt
 from gateway.protocol.measurement import Answer
 from scoring.audit import AuditBands, Verdict
 
+if TYPE_CHECKING:
+    from neurons.model.grammar import Grammar
+
 
 class Reference(Protocol):
     """What the auditor needs: a verdict on one answer, or None when it cannot be replayed (not the miner's fault)."""
 
     name: str
+    grammars: bool  # it forces answers bound to a shape under the subnet's grammar (neurons.model.grammar)
 
     async def start(self) -> None: ...
 
@@ -44,3 +48,11 @@ class ForcingEngine(Protocol):
 
     def forced_logits(self, prompt_ids: list[int], completion_ids: list[int] | tuple[int, ...]
                       ) -> npt.NDArray[np.float32]: ...
+
+
+@runtime_checkable
+class Constraining(Protocol):
+    """A :class:`ForcingEngine` that can also mask by the subnet's grammar (llama.cpp's): answers bound to a shape
+    are replayed on it."""
+
+    def grammar(self, text: str) -> Grammar: ...

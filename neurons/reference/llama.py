@@ -27,10 +27,11 @@ from pathlib import Path
 
 from gateway.protocol.measurement import Answer
 from neurons.model.engine import EngineThread
+from neurons.model.grammar import GrammarError, gbnf, masked_rows
 from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
 from scoring.audit import AuditBands, ForcedScores, Verdict, check_ids, force, judge
 
-from .base import ForcingEngine
+from .base import Constraining, ForcingEngine
 
 
 class LlamaReference:
@@ -42,6 +43,7 @@ class LlamaReference:
 
     def __init__(self, path: Path | None = None, *, n_ctx: int = 4096, threads: int = 1) -> None:
         self.name = f"llama.cpp:{MODEL_ID if path is None else path.name}"
+        self.grammars = True  # answers bound to a shape are forced under the subnet's grammar
         self.path = path  # None: the packaged model
         self._n_ctx = n_ctx
         self._threads = threads
@@ -70,14 +72,28 @@ def replay(engine: ForcingEngine, answer: Answer, bands: AuditBands) -> Verdict 
 def replay_scored(engine: ForcingEngine, answer: Answer, bands: AuditBands
                   ) -> tuple[Verdict, ForcedScores | None] | None:
     """:func:`replay`'s verdict with the per-position scores it was judged on (None when the answer failed its
-    structure before any forcing), for the calibration that measures honest gaps; None: too long to replay."""
+    structure before any forcing), for the calibration that measures honest gaps; None: too long to replay, or bound
+    to a shape this engine cannot mask by (or whose schema has no grammar).
+
+    An answer bound to a shape is forced under the subnet's grammar: each row masked as the miner drew from it
+    (:func:`neurons.model.grammar.masked_rows`), so a token outside the grammar fails, and the best allowed token is
+    what the miner's is measured against."""
     checked = check_ids(answer, vocab_size=engine.vocab_size, piece=engine.piece, stop_ids=engine.stop_ids)
     if isinstance(checked, Verdict):
         return checked, None
     prompt = engine.prompt_ids(answer.messages)
     if len(prompt) + len(checked.ids) + 1 > engine.n_ctx:
         return None
-    scores = force(engine.forced_logits(prompt, checked.ids), checked.ids, answer.sampling, engine.stop_ids,
-                   nucleus_slack=bands.seeded_nucleus_slack)
+    rows = engine.forced_logits(prompt, checked.ids)
+    if answer.structure is not None:
+        if not isinstance(engine, Constraining):
+            return None
+        try:
+            grammar = engine.grammar(gbnf(answer.structure))
+        except GrammarError:  # the request's schema, not the miner: nothing to judge it on
+            return None
+        with grammar:
+            rows = masked_rows(grammar, rows, checked.ids, answer.sampling, engine.stop_ids)
+    scores = force(rows, checked.ids, answer.sampling, engine.stop_ids, nucleus_slack=bands.seeded_nucleus_slack)
     verdict = judge(answer, checked, scores, bands)
     return dataclasses.replace(verdict, prompt_tokens=len(prompt)), scores

@@ -19,6 +19,7 @@ from typing import Any
 
 from gateway.protocol.measurement import Answer
 from gateway.protocol.sampling import SEED_MAX, SamplingParams, is_seed
+from gateway.protocol.structure import Structure
 from scoring.audit import AuditBands, AuditFailure, Verdict
 
 AUDIT_PATH = "/v1/audit"
@@ -37,7 +38,8 @@ def encode_request(answer: Answer, bands: AuditBands) -> bytes:
                    "max_tokens": answer.max_tokens, "stop": list(answer.stop), "text": answer.text,
                    "token_ids": None if answer.token_ids is None else list(answer.token_ids),
                    "finish_reason": answer.finish_reason,
-                   "tool_calls": None if answer.tool_calls is None else [list(c) for c in answer.tool_calls]},
+                   "tool_calls": None if answer.tool_calls is None else [list(c) for c in answer.tool_calls],
+                   "structure": None if answer.structure is None else answer.structure.to_json()},
         "bands": dataclasses.asdict(bands),
     }, allow_nan=False).encode()
 
@@ -78,9 +80,13 @@ def decode_request(obj: Any) -> tuple[Answer, AuditBands]:
     if calls is not None and (not isinstance(calls, list) or not all(
             isinstance(c, list) and len(c) == 2 and all(isinstance(x, str) for x in c) for c in calls)):
         raise BadAuditRequest("answer.tool_calls must be null or a list of [name, arguments] strings")
+    try:
+        structure = None if a.get("structure") is None else Structure.from_json(a["structure"])
+    except ValueError as e:
+        raise BadAuditRequest(f"answer.structure: {e}") from None
     answer = Answer(messages=messages, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop), text=text,
                     token_ids=None if ids is None else tuple(ids), finish_reason=finish,
-                    tool_calls=None if calls is None else tuple((c[0], c[1]) for c in calls))
+                    tool_calls=None if calls is None else tuple((c[0], c[1]) for c in calls), structure=structure)
     raw = obj.get("bands") or {}
     if not isinstance(raw, dict):
         raise BadAuditRequest("bands must be an object")

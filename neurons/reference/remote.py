@@ -24,6 +24,7 @@ class RemoteReference:
     def __init__(self, url: str, *, timeout_s: float = 120.0, key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.name = f"service at {self.url}"
+        self.grammars = False  # the service may run vLLM, which does not mask by the subnet's grammar
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._key = key if key is not None else os.environ.get(KEY_ENV) or None
         self._session: aiohttp.ClientSession | None = None

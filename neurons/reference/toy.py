@@ -16,6 +16,7 @@ class ToyReference:
     """The simulated cards' model: rows built from the prompt's key, judged like the real model's."""
 
     name = "toy model of the simulated cards"
+    grammars = False  # the toy model writes no JSON: the simulated cards' shaped answers are not audited
 
     async def start(self) -> None:
         return None

@@ -208,6 +208,7 @@ class VllmReference:
 
     def __init__(self, model_dir: Path, *, n_ctx: int = 4096, **engine_kw: Any) -> None:
         self.name = f"vllm:{model_dir.name}"
+        self.grammars = False  # its forcing engine has no grammar mask
         self.path = model_dir
         self._n_ctx = n_ctx
         self._kw = engine_kw

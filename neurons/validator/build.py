@@ -123,7 +123,8 @@ def build_parts(
         reference = _reference(cfg)
     limits = UpstreamLimits(keep_answers=reference is not None,
                             audited_model=cfg.models[0] if reference is not None else None,  # the reference's
-                            audit_tools=reference is not None and not isinstance(reference, ToyReference))
+                            audit_tools=reference is not None and not isinstance(reference, ToyReference),
+                            audit_grammars=reference is not None and reference.grammars)
     if sink is None:
         sink = publisher if publisher is not None else measurements
     upstream = Upstream(client, RequestSigner(keypair), sink, timeouts=timeouts, limits=limits)

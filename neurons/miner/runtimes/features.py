@@ -46,9 +46,69 @@ def wants_json(payload: dict[str, Any]) -> bool:
     return isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema")
 
 
-def as_json(text: str) -> str:
-    """The answer ``text`` as the JSON object a grammar-constrained model writes."""
+def as_json(text: str, payload: dict[str, Any] | None = None) -> str:
+    """The answer ``text`` as the JSON a grammar-constrained model writes: an instance of the request's schema when
+    it gives one (:func:`instance_of`), else an object holding the text."""
+    rf = (payload or {}).get("response_format")
+    spec = rf.get("json_schema") if isinstance(rf, dict) and rf.get("type") == "json_schema" else None
+    if isinstance(spec, dict) and isinstance(spec.get("schema"), dict) and spec["schema"]:
+        return json.dumps(instance_of(spec["schema"], text.strip()))
     return json.dumps({"answer": text.strip()})
+
+
+def call_arguments(payload: dict[str, Any], name: str, text: str) -> str:
+    """A call's arguments as a grammar-constrained model writes them: an instance of the function's parameters
+    schema, with ``text`` in its strings (``{"query": text}`` for a function that declares none)."""
+    params = next((t["function"].get("parameters") for t in payload.get("tools") or ()
+                   if t["function"]["name"] == name), None)
+    if not isinstance(params, dict) or not params.get("properties"):
+        return json.dumps({"query": text.strip()})
+    return json.dumps(instance_of(params, text.strip()))
+
+
+_FORMATS = {"date-time": "2026-01-01T00:00:00Z", "date": "2026-01-01", "time": "00:00:00Z",
+            "email": "user@example.com", "uri": "https://example.com", "uuid": "00000000-0000-4000-8000-000000000000"}
+
+
+def instance_of(schema: Any, text: str, defs: dict[str, Any] | None = None, depth: int = 0) -> Any:
+    """A valid instance of the JSON ``schema`` (the subset clients send: types, properties, items, enum, const,
+    anyOf/oneOf/allOf, local ``$ref``s, string formats and lengths, number bounds) with ``text`` in its strings: what
+    the simulated card answers where a real runtime decodes under the schema's grammar."""
+    if not isinstance(schema, dict) or depth > 16:
+        return None
+    defs = {**(defs or {}), **schema.get("$defs", {}), **schema.get("definitions", {})}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        return instance_of(defs.get(ref.rsplit("/", 1)[-1]), text, defs, depth + 1)
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            options = [s for s in schema[key] if not (isinstance(s, dict) and s.get("type") == "null")] or schema[key]
+            return instance_of(options[0], text, defs, depth + 1)
+    kind = schema.get("type", "object" if "properties" in schema else "string")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object":
+        return {k: instance_of(v, text, defs, depth + 1) for k, v in (schema.get("properties") or {}).items()}
+    if kind == "array":
+        return [instance_of(schema.get("items", {}), text, defs, depth + 1)
+                for _ in range(max(1, int(schema.get("minItems", 1))))]
+    if kind in ("integer", "number"):
+        bounds = (schema.get("minimum"), schema.get("exclusiveMinimum"))
+        low = next((v for v in bounds if isinstance(v, int | float)), 0)
+        value = max(1, int(low) + 1) if kind == "integer" else float(low) + 0.5
+        high = schema.get("maximum")
+        return value if not isinstance(high, int | float) or value <= high else high
+    if kind == "boolean":
+        return True
+    if kind == "null":
+        return None
+    s = _FORMATS.get(str(schema.get("format")), text or "text")
+    s = s[:int(schema.get("maxLength", len(s)))]
+    return s + "x" * max(0, int(schema.get("minLength", 0)) - len(s))
 
 
 def pieces(text: str, n: int) -> list[str]:

@@ -33,11 +33,13 @@ from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.protocol.openai import MODEL_CONTEXT, SUBNET_SAMPLER, TOOLS, requested_max_tokens
+from gateway.protocol.openai import MODEL_CONTEXT, RESPONSE_FORMAT, SUBNET_SAMPLER, TOOLS, requested_max_tokens
 from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
+from gateway.protocol.structure import structure_of
 from gateway.protocol.tools import prompt_messages
 from neurons.model.engine import ContextOverflow, EngineThread, LlamaEngine
+from neurons.model.grammar import GrammarError, gbnf
 from neurons.model.packaged import MODEL_ID, ModelUnavailable
 
 from .base import RuntimeFailure, RuntimeHealth
@@ -55,7 +57,9 @@ class LlamaRuntime:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.name = f"llama.cpp:{model}"
         self.sampler: str | None = SUBNET_SAMPLER  # seeded requests are drawn with it (LlamaEngine.choose)
-        self.features: frozenset[str] = frozenset({TOOLS})  # in the subnet's tool format (gateway.protocol.tools)
+        # tools in the subnet's tool format (gateway.protocol.tools); JSON output and forced tool calls decoded under
+        # the subnet's grammar (neurons.model.grammar)
+        self.features: frozenset[str] = frozenset({TOOLS, RESPONSE_FORMAT})
         self.model = model
         self._path = path
         self._slots = slots
@@ -131,6 +135,7 @@ class LlamaRuntime:
         messages = prompt_messages(payload)  # tools in the subnet's format: the prompt the reference renders too
         max_tokens = requested_max_tokens(payload)
         sampling = SamplingParams.of(payload)
+        grammar = _grammar_of(payload)
         seed = payload.get("seed")
         rng = random.Random(seed) if isinstance(seed, int) and not isinstance(seed, bool) else \
             random.Random(self._rng.getrandbits(64))
@@ -145,7 +150,7 @@ class LlamaRuntime:
         bridge = _Bridge(asyncio.get_running_loop())
         items, cancel = bridge.items, bridge.cancel
         self._cancels.add(cancel)
-        job = worker.submit(_run, self._generate, messages, max_tokens, sampling, rng, cancel, bridge.put)
+        job = worker.submit(_run, self._generate, grammar, messages, max_tokens, sampling, rng, cancel, bridge.put)
         try:
             first = await items.get()
             if isinstance(first, BaseException):
@@ -326,9 +331,21 @@ class StopMatcher:
         return ready
 
 
+def _grammar_of(payload: dict[str, Any]) -> str | None:
+    """The grammar the answer is decoded under (None: free text); a schema it cannot be written for is the client's
+    request's fault, a 400 before any context is taken."""
+    structure = structure_of(payload)
+    try:
+        return None if structure is None else gbnf(structure)
+    except GrammarError as e:
+        raise RuntimeFailure(str(e), status=400, type="invalid_request_error", code="invalid_value") from None
+
+
 def _failure(e: BaseException) -> RuntimeFailure:
     if isinstance(e, RuntimeFailure):
         return e
+    if isinstance(e, GrammarError):
+        return RuntimeFailure(str(e), status=400, type="invalid_request_error", code="invalid_value")
     if isinstance(e, ContextOverflow):
         return RuntimeFailure(str(e), status=400, type="invalid_request_error", code="context_length_exceeded")
     return RuntimeFailure(f"llama.cpp failed: {type(e).__name__}: {e}", status=500, type="server_error",
@@ -341,11 +358,13 @@ Generate = Callable[[LlamaEngine, list[dict[str, Any]], int, SamplingParams, ran
                     str | None]
 
 
-def _run(engine: LlamaEngine, generate: Generate, messages: list[dict[str, Any]], max_tokens: int,
-         sampling: SamplingParams, rng: random.Random, cancel: threading.Event, put: Put) -> None:
-    """On the engine's thread: one request, every outcome (finish, failure) sent through ``put``, then the end."""
+def _run(engine: LlamaEngine, generate: Generate, grammar: str | None, messages: list[dict[str, Any]],
+         max_tokens: int, sampling: SamplingParams, rng: random.Random, cancel: threading.Event, put: Put) -> None:
+    """On the engine's thread: one request (under ``grammar`` when it has one), every outcome (finish, failure) sent
+    through ``put``, then the end."""
     try:
-        finish = generate(engine, messages, max_tokens, sampling, rng, cancel, put)
+        with engine.constrained(grammar):
+            finish = generate(engine, messages, max_tokens, sampling, rng, cancel, put)
         if finish is not None:
             put(finish)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the stream, or it hangs
@@ -382,8 +401,10 @@ def honest(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int,
 
 
 def answer_once(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens: int, sampling: SamplingParams,
-                rng: random.Random, generate: Generate | None = None) -> tuple[str, list[int], str]:
-    """One answer without HTTP (benchmarks, tests): (text as streamed, token ids, finish reason)."""
+                rng: random.Random, generate: Generate | None = None, grammar: str | None = None
+                ) -> tuple[str, list[int], str]:
+    """One answer without HTTP (benchmarks, tests), under ``grammar`` when given: (text as streamed, token ids,
+    finish reason)."""
     ids: list[int] = []
     pieces: list[bytes] = []
     finish: list[str] = []
@@ -398,5 +419,6 @@ def answer_once(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens:
         elif isinstance(item, BaseException):
             raise item
 
-    done = (generate or honest)(engine, messages, max_tokens, sampling, rng, threading.Event(), put)
+    with engine.constrained(grammar):
+        done = (generate or honest)(engine, messages, max_tokens, sampling, rng, threading.Event(), put)
     return b"".join(pieces).decode("utf-8", errors="replace"), ids, done or (finish[-1] if finish else "length")

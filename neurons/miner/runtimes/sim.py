@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import random
 import secrets
@@ -50,7 +49,16 @@ from gateway.protocol.tokens import estimate_prompt_tokens
 
 from ...model.toy import MODEL, STOP_SHARE
 from .base import RuntimeFailure, RuntimeHealth
-from .features import SIMULATED_FEATURES, as_json, call_frames, logprobs_of, pieces, tool_to_call, wants_json
+from .features import (
+    SIMULATED_FEATURES,
+    as_json,
+    call_arguments,
+    call_frames,
+    logprobs_of,
+    pieces,
+    tool_to_call,
+    wants_json,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,11 +220,11 @@ class SimulatedRuntime:
         tool = tool_to_call(payload)
         if tool is not None:
             text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
-            return call_frames(frames, [(tool, json.dumps({"query": text.strip()}))], None,
+            return call_frames(frames, [(tool, call_arguments(payload, tool, text))], None,
                                "call_" + secrets.token_hex(6), pieces_per_call=max(1, len(tokens) - 1)), "tool_calls"
         if wants_json(payload):
             text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
-            return [frames.content(p) for p in pieces(as_json(text), len(tokens))], "stop"  # the object closed
+            return [frames.content(p) for p in pieces(as_json(text, payload), len(tokens))], "stop"  # the object closed
         if payload.get("logprobs") is True:
             out = []
             for t in tokens:

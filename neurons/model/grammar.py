@@ -1,0 +1,166 @@
+"""The subnet's grammars on llama.cpp: which tokens may come next in a constrained answer, for miner and audit alike.
+
+A :class:`~gateway.protocol.structure.Structure` becomes a GBNF grammar by llama.cpp's own converters
+(``llama_cpp.llama_grammar``: its JSON grammar, its JSON-schema converter), so a llama.cpp miner and the validator's
+reference read the same rules; a tool call is the subnet's tool format (:mod:`gateway.protocol.tools`) around a JSON
+object naming one of the functions and its arguments. llama.cpp's grammar sampler answers which tokens a grammar
+allows after the tokens accepted so far; nothing here samples with it. The subnet's sampler then picks among the
+allowed tokens (the others' logits set to :data:`MASKED`), exactly as without a grammar: temperature and nucleus
+apply to the masked distribution, as in vLLM.
+
+Asking the grammar about all 262k tokens costs 30-100 ms a position on this CPU. Greedy and seeded draws without a
+nucleus pick the best score, so the grammar is first asked about the :data:`SHORTLIST` best-scored tokens: when one is
+allowed, the best allowed token is among them and the rest need not be asked (the same token, bit for bit). A nucleus
+needs the whole masked distribution, and is masked whole.
+
+llama.cpp aborts the process when a token the grammar rejects is accepted, so :meth:`Grammar.accept` refuses one
+first: a miner's token outside the grammar fails its answer, never the validator.
+
+Example::
+
+    with Grammar(engine.vocab, gbnf(structure), engine.vocab_size) as g:
+        row = constrained(engine.next_logits(), g, sampling, position)   # then engine.choose(row, ...)
+        g.accept(token)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from gateway.protocol.sampling import SamplingParams, gumbel_at
+from gateway.protocol.structure import JSON_OBJECT, JSON_SCHEMA, TOOL_CALL, Structure
+from gateway.protocol.tools import CLOSE, OPEN
+
+MASKED = np.float32(-1e30)  # a disallowed token's logit: finite (no NaN in any moment), and never drawn
+SHORTLIST = 64  # best-scored tokens asked about first
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
+
+
+class GrammarError(ValueError):
+    """The request's structure cannot be written as a grammar (a schema llama.cpp's converter refuses): the
+    client's request, answered 400."""
+
+
+def gbnf(structure: Structure) -> str:
+    """The grammar an answer of ``structure`` is decoded under."""
+    from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
+
+    if structure.kind == JSON_OBJECT:
+        return JSON_GBNF
+    converter = SchemaConverter(prop_order={"name": 0, "arguments": 1}, allow_fetch=False, dotall=False,
+                                raw_pattern=False)
+    try:
+        if structure.kind == JSON_SCHEMA:
+            schema = json.loads(structure.schema or "{}")
+            converter.visit(converter.resolve_refs(schema, "request"), "")
+            return str(converter.format_grammar())
+        assert structure.kind == TOOL_CALL
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                  "required": ["name", "arguments"]} for name, params in structure.functions]
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        converter.visit(converter.resolve_refs(call, "request"), "call")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError, AssertionError) as e:
+        raise GrammarError(f"the response's schema cannot be written as a grammar: {type(e).__name__}: {e}") from None
+    block = f'{_literal(OPEN + chr(10))} call {_literal(chr(10) + CLOSE)}'
+    root = f"root ::= {block} ({_literal(chr(10))} {block})*" if structure.parallel else f"root ::= {block}"
+    return f"{root}\n{converter.format_grammar()}"
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text)  # a GBNF string literal escapes as JSON does, for this text
+
+
+class Grammar:
+    """llama.cpp's grammar sampler for one answer: which tokens may come next, and the tokens accepted so far."""
+
+    def __init__(self, vocab: Any, text: str, vocab_size: int) -> None:
+        import llama_cpp
+
+        self._lib = llama_cpp
+        self._sampler = llama_cpp.llama_sampler_init_grammar(vocab, text.encode("utf-8"), b"root")
+        if not self._sampler:
+            raise GrammarError("llama.cpp refused the grammar")
+        self.vocab_size = vocab_size
+        self._every: npt.NDArray[np.int32] | None = None
+
+    def __enter__(self) -> Grammar:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._sampler:
+            self._lib.llama_sampler_free(self._sampler)
+            self._sampler = None
+
+    def allows(self, ids: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+        """Which of ``ids`` the grammar allows next (an end-of-generation token: only where the text may end)."""
+        wanted = np.asarray(ids, dtype=np.int32).reshape(-1)
+        size = int(wanted.shape[0])
+        if size == 0:
+            return np.zeros(0, dtype=bool)
+        data = np.zeros(size, dtype=_TOKEN_DATA)
+        data["id"] = wanted
+        lib = self._lib
+        arr = lib.llama_token_data_array(data=data.ctypes.data_as(lib.llama_token_data_p), size=size,
+                                         selected=-1, sorted=False)
+        lib.llama_sampler_apply(self._sampler, ctypes.byref(arr))
+        return np.asarray(np.isfinite(data["logit"]))
+
+    def allowed(self) -> npt.NDArray[np.bool_]:
+        """The whole vocabulary's mask."""
+        if self._every is None:
+            self._every = np.arange(self.vocab_size, dtype=np.int32)
+        return self.allows(self._every)
+
+    def accept(self, token: int) -> bool:
+        """Move past ``token``; False (and nothing accepted) when the grammar does not allow it."""
+        if not bool(self.allows([token])[0]):
+            return False
+        self._lib.llama_sampler_accept(self._sampler, token)
+        return True
+
+
+def constrained(logits: npt.NDArray[np.float32], grammar: Grammar, sampling: SamplingParams, position: int,
+                keep: tuple[int, ...] = ()) -> npt.NDArray[np.float32]:
+    """``logits`` with every token the grammar rejects at :data:`MASKED` (a copy): what the subnet's sampler draws
+    from. Greedy and seeded draws without a nucleus get only the tokens that can win unmasked (the allowed ones of
+    the shortlist, when it holds one) and ``keep``'s allowed ones (the audit keeps the miner's token, so its gap is
+    measured); anything else is masked whole."""
+    row = np.asarray(logits, dtype=np.float32)
+    out = np.full_like(row, MASKED)
+    if sampling.greedy or (sampling.seeded and sampling.top_p >= 1.0):
+        scores = row.astype(np.float64)
+        if sampling.seeded:
+            assert sampling.seed is not None
+            scores = scores / sampling.temperature + gumbel_at(sampling.seed, position, np.arange(row.shape[0]))
+        top = np.argpartition(-scores, SHORTLIST)[:SHORTLIST] if row.shape[0] > SHORTLIST else np.arange(row.shape[0])
+        ok = grammar.allows(top)
+        if ok.any():
+            ids = np.concatenate([top[ok], np.asarray(keep, dtype=np.int64)])
+            ids = ids[grammar.allows(ids)] if keep else ids
+            out[ids] = row[ids]
+            return out
+    mask = grammar.allowed()
+    out[mask] = row[mask]
+    return out
+
+
+def masked_rows(grammar: Grammar, rows: npt.NDArray[np.float32], ids: tuple[int, ...] | list[int],
+                sampling: SamplingParams, stop_ids: frozenset[int] | tuple[int, ...]) -> npt.NDArray[np.float32]:
+    """Teacher forcing under a grammar: ``rows`` (one per answer token, then the row after it) masked as the miner
+    drew from them, row ``j`` by the grammar after ``ids[:j]`` (in place). The first id the grammar rejects is masked
+    in its own row (its gap fails the answer) and the rows after it are left as they were."""
+    for j, token in enumerate(ids):
+        rows[j] = constrained(rows[j], grammar, sampling, j, keep=(int(token),))
+        if not grammar.accept(int(token)):
+            return rows
+    n = len(ids)
+    rows[n] = constrained(rows[n], grammar, sampling, n, keep=tuple(sorted(stop_ids)))
+    return rows
