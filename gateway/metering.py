@@ -93,6 +93,7 @@ class StreamMeter:
         self.ids: list[int] = []
         self.calls: dict[int, dict[str, Any]] = {}  # tool calls streamed (sse.fold_tool_calls), kept with the text
         self.ids_complete = True  # every content chunk named its token ids
+        self.logprobs: list[float] = []  # each id's reported logprob, where its chunk named one per id (kept answers)
         # What one answer may weigh: a non-streamed answer is held whole, so a miner sending 4 KB per
         # token at max_tokens would cost 16 MB a request (issue 15: 16 such requests took RSS 82 -> 446 MB).
         # No tokenizer's average token comes near 32 characters.
@@ -169,6 +170,8 @@ class StreamMeter:
                 self.tokens += n
                 if ids and self.keep_answer:
                     self.ids += ids
+                    if chunk.logprobs is not None:  # the audit checks them against the reference's
+                        self.logprobs += [e["logprob"] for e in chunk.logprobs.get("content") or ()][:len(ids)]
             if text:
                 self.chars += len(text)
                 if self.chars > self.max_chars:
@@ -208,6 +211,7 @@ class StreamMeter:
             self.budget, self.keep_answer = None, False
             self.text.clear()
             self.ids.clear()
+            self.logprobs.clear()
             self.calls.clear()
 
     def release(self) -> None:

@@ -21,6 +21,8 @@ from scoring.audit import (
     Verdict,
     apply_verdict,
     check_ids,
+    check_logprobs,
+    chosen_logprobs,
     judge,
     should_audit,
 )
@@ -276,3 +278,24 @@ def test_ids_may_run_on_through_a_stop_string_that_ends_in_the_last_token() -> N
     assert fails(answer(text="Hel", ids=(5, 6), stop=("xx",)))  # not the client's stop string
     assert fails(answer(text="Hel", ids=(5, 6), stop=()))
     assert fails(answer(text="Hel", ids=(5, 6), stop=("lo",), finish="length"))  # only an answer that stopped
+
+
+def test_reported_logprobs_hold_within_the_band_and_lies_fail() -> None:
+    """The raw log-probabilities a miner reports are checked against the reference's: honest numerics (off by up to
+    0.44 nats, measured) pass; a logprob of 0 everywhere, a shift past the band, or entries for only some tokens
+    fail; an answer with nothing reported (not asked) or a tool call is not checked."""
+    raw = np.log(np.array([0.9, 0.4, 0.05, 0.6, 0.3] * 4))
+    honest = answer()
+    noisy = dataclasses.replace(honest, logprobs=tuple(raw + np.tile([0.4, -0.4], 10)))
+    b = AuditBands()
+    assert check_logprobs(honest, raw, b) is None and check_logprobs(noisy, raw, b) is None
+    one_off = list(raw)
+    one_off[3] += 3.0  # one position in 20 may miss, as a greedy answer's may
+    assert check_logprobs(dataclasses.replace(honest, logprobs=tuple(one_off)), raw, b) is None
+    for lie in (np.zeros_like(raw), raw + 1.5, raw[:10]):
+        v = check_logprobs(dataclasses.replace(honest, logprobs=tuple(lie)), raw, b)
+        assert v is not None and not v.passed and v.failure == AuditFailure.WRONG_LOGPROBS, lie
+    called = dataclasses.replace(honest, logprobs=(), tool_calls=(("f", "{}"),))
+    assert check_logprobs(called, raw, b) is None
+    rows = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]])) + 3.0  # logits: any shift
+    assert chosen_logprobs(rows, [1, 2]) == pytest.approx(np.log([0.25, 0.8]))

@@ -173,6 +173,15 @@ def test_sampler_smoke_compares_before_and_shipped_and_finds_no_token_differs() 
     assert "tokens that differ between the two samplers: 0 of 120" in out  # the exit status says so too
 
 
+def test_grammar_smoke_times_free_and_constrained_decoding_and_audits_every_constrained_answer() -> None:
+    """Issue 41: decoding under the subnet's grammar, and its audit, beside free decoding in one run."""
+    out = run_script("bench_grammar.py", "--smoke", timeout=600)
+    rows = table_rows(out, "draw")
+    assert [r[0] for r in rows] == ["greedy", "seeded", "nucleus"]
+    assert all(float(x) > 0 for r in rows for x in r[1:])
+    assert "PASS  every constrained answer audited, passed and shaped" in out  # the exit status says so too
+
+
 def test_kill_9_at_every_step_of_a_rounds_close_counts_each_measurement_once() -> None:
     """Issue 39 (2): a validator killed with SIGKILL before the save, between the save and the acknowledgement, and
     after it, with and without Redis: its successor stores exactly the measurements sent (the old code stored 60

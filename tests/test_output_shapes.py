@@ -4,7 +4,9 @@ in tests/test_structured_output.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 from typing import Any
 
 import pytest
@@ -48,6 +50,12 @@ def test_the_shape_travels_to_a_remote_reference_and_a_bad_one_is_a_named_400() 
                     token_ids=(1, 2), finish_reason="stop", structure=structure_of({"tools": TOOLS,
                                                                                     "tool_choice": "required"}))
     assert decode_request(json.loads(encode_request(shaped, AuditBands())))[0] == shaped
+    scored = dataclasses.replace(shaped, logprobs=(-0.5, -1.25))
+    assert decode_request(json.loads(encode_request(scored, AuditBands())))[0] == scored
+    lied: dict[str, Any] = json.loads(encode_request(scored, AuditBands()))
+    lied["answer"]["logprobs"] = [-0.5, "x"]
+    with pytest.raises(BadAuditRequest, match="answer.logprobs"):
+        decode_request(lied)
     raw: dict[str, Any] = json.loads(encode_request(shaped, AuditBands()))
     for bad in ({"kind": "yaml"}, {"kind": "json_object", "schema": 3}, "json"):
         raw["answer"]["structure"] = bad
@@ -85,3 +93,40 @@ def test_the_simulated_card_answers_an_instance_of_the_asked_schema() -> None:
     assert json.loads(as_json("plain", {"response_format": {"type": "json_object"}})) == {"answer": "plain"}
     assert json.loads(call_arguments({"tools": TOOLS}, "f", "q")) == {"x": 1}
     assert json.loads(call_arguments({"tools": TOOLS}, "g", "q")) == {"query": "q"}  # no parameters declared
+
+
+async def test_a_shaped_answer_is_audited_only_from_a_miner_that_decodes_under_the_subnets_grammar(make_miner) -> None:
+    """vLLM's grammar (xgrammar) allows whitespace llama.cpp's does not: forced under the subnet's grammar, an honest
+    vLLM miner's JSON would fail. So a shaped answer is kept for an audit only from a miner that declared
+    ``subnet_grammar``; any other's is skipped by its rule (unpaid, never blamed)."""
+    from bittensor.sp_core import Keypair
+
+    from gateway.http.client import MinerClient
+    from gateway.protocol.measurement import MeasurementQueue
+    from gateway.protocol.openai import GRAMMAR, RESPONSE_FORMAT
+    from gateway.protocol.signing import RequestSigner
+    from gateway.router import Candidate, Router
+    from gateway.upstream import Upstream, UpstreamLimits
+
+    miner = await make_miner()
+    router = Router(rng=random.Random(0))
+    router.sync([Candidate(uid=1, hotkey=miner.hotkey, endpoint=miner.endpoint)])
+    shaped = {"model": "m", "messages": MSGS, "max_tokens": 4, "temperature": 0,
+              "response_format": {"type": "json_object"}}
+    skipped = []
+    async with MinerClient() as client:
+        up = Upstream(client, RequestSigner(Keypair.create_from_uri("//Alice")), MeasurementQueue(),
+                      limits=UpstreamLimits(keep_answers=True, audit_tools=True, audit_grammars=True))
+        for features in (frozenset({RESPONSE_FORMAT}), frozenset({RESPONSE_FORMAT, GRAMMAR})):
+            state = router.get(1)
+            assert state is not None
+            router.learn_offer(state, frozenset(), features)
+            lease = router.acquire()
+            assert lease is not None
+            try:
+                m = await up.probe(lease, shaped)
+            finally:
+                router.release(lease)
+            assert m.ok
+            skipped.append(m.skipped)
+    assert skipped == ["response_format", None]

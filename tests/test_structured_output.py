@@ -1,5 +1,6 @@
-"""Structured output on the real runtime (issue 41): JSON mode, JSON schemas and forced tool calls decoded under the
-subnet's grammar on llama.cpp, and audited under the same grammar instead of skipped.
+"""Structured output and logprobs on the real runtime (issue 41): JSON mode, JSON schemas and forced tool calls
+decoded under the subnet's grammar on llama.cpp and audited under the same grammar instead of skipped; logprobs
+reported as the model gives them and checked by the audit against the reference's.
 
 Needs the ``.[real]`` extra, as ``tests/test_real_model.py`` does. The end-to-end test runs the local subnet with the
 real runtime and speaks to it through the official ``openai`` SDK (``.parse()`` with a pydantic model) and LangChain
@@ -170,6 +171,47 @@ def test_a_schema_without_a_grammar_is_the_clients_error_and_not_replayed(engine
     assert replay(reference, a, AuditBands()) is None  # not the miner's fault: nothing to judge it on
 
 
+# -- logprobs ------------------------------------------------------------------------------------------------------
+
+
+async def test_the_real_runtime_reports_the_models_logprobs_and_the_audit_checks_them(reference: LlamaEngine) -> None:
+    """Each token's entry names its raw log-probability and the asked alternatives, best first (greedy: the token is
+    the first of them); the audit recomputes them. The cheapest lies fail: every logprob 0 (a confident-looking
+    answer), all shifted by 1.5 nats, or entries for only some tokens."""
+    from gateway.metering import StreamMeter
+    from neurons.miner.runtimes.llama import LlamaRuntime
+
+    rt = LlamaRuntime(model_path(), slots=1, n_ctx=1024, seed=1)
+    await rt.start()
+    try:
+        for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=77)):
+            body: dict[str, Any] = {"messages": [{"role": "user", "content": "Write a haiku about the sea."}],
+                                    "max_tokens": 24, "temperature": sampling.temperature, "seed": sampling.seed,
+                                    "logprobs": True, "top_logprobs": 3, "return_token_ids": True}
+            meter = StreamMeter(max_tokens=24, started_at=0.0, keep_answer=True)
+            entries: list[dict[str, Any]] = []
+            async for frames in rt.stream(body):
+                for chunk in meter.feed(frames, now=1.0):
+                    entries += (chunk.logprobs or {}).get("content") or []
+            assert meter.done and len(entries) == len(meter.ids) == len(meter.logprobs) > 0
+            for e in entries:
+                alts = [a["logprob"] for a in e["top_logprobs"]]
+                assert len(alts) == 3 and alts == sorted(alts, reverse=True) and e["logprob"] <= alts[0] + 1e-9
+                assert e["logprob"] < 0 and bytes(e["bytes"]).decode(errors="replace") == e["token"]
+                if sampling.greedy:
+                    assert e["logprob"] == pytest.approx(alts[0])
+            answer = Answer(messages=body["messages"], sampling=sampling, max_tokens=24, stop=(),
+                            text="".join(meter.text), token_ids=tuple(meter.ids), finish_reason=meter.finish_reason,
+                            logprobs=tuple(meter.logprobs))
+            assert _verdict(reference, answer).passed
+            reported = np.array(answer.logprobs)
+            for lie in (np.zeros_like(reported), reported + 1.5, reported[: len(reported) // 2]):
+                v = _verdict(reference, dataclasses.replace(answer, logprobs=tuple(float(x) for x in lie)))
+                assert not v.passed and v.failure == AuditFailure.WRONG_LOGPROBS, (lie, v)
+    finally:
+        await rt.aclose()
+
+
 # -- end to end: the local subnet with the real runtime, through the SDKs ------------------------------------------
 
 
@@ -195,7 +237,8 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
     """The client libraries' structured output against the local subnet's llama.cpp miner: the SDK's ``.parse()``
     with a pydantic model, JSON mode, ``tool_choice="required"``, a LangChain tool forced by name and its
     ``with_structured_output``. Every answer is audited (rate 1.0) under its grammar and passes; none is counted
-    unaudited by the rules ``response_format`` or ``tool_choice``."""
+    unaudited by the rules ``response_format`` or ``tool_choice``. A request for logprobs gets the model's, and is
+    audited with them."""
     import openai
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -224,6 +267,11 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
         calls: Any = forced.choices[0].message.tool_calls
         assert forced.choices[0].finish_reason == "tool_calls" and calls, forced
         assert calls[0].function.name in ("get_weather", "lookup")
+        scored = await client.chat.completions.create(model=model, messages=ask, max_tokens=12, logprobs=True,
+                                                      top_logprobs=2)
+        content = scored.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content and "".join(e.token for e in content) == scored.choices[0].message.content
+        assert all(e.logprob < 0 and len(e.top_logprobs) == 2 for e in content)
 
     @tool
     def get_weather(city: str) -> str:
@@ -237,7 +285,7 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
     assert isinstance(reply.tool_calls[0]["args"]["city"], str)
     structured = await llm.with_structured_output(City, method="json_schema").ainvoke("Name a city in Italy.")
     assert isinstance(structured, City)
-    sent = 5
+    sent = 6
 
     auditor = real_subnet.validator.auditor
     for _ in range(360):  # the reference replays them one by one (a second or two each; minutes beside CPU hogs)

@@ -76,6 +76,9 @@ class Answer:
     # the shape the request bound the answer to (JSON, a schema's instance, a forced tool call): the miner decoded
     # under its grammar, the audit forces the ids under the same one (gateway.protocol.structure)
     structure: Structure | None = None
+    # the request asked for logprobs: the raw log-probability the miner reported for each id, in order (fewer than
+    # the ids when some chunks named none); the audit recomputes them. None: not asked
+    logprobs: tuple[float, ...] | None = None
 
     @property
     def temperature(self) -> float:

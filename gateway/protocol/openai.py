@@ -23,6 +23,7 @@ from typing import Any
 from .errors import bad_request, model_not_found
 from .request_features import (  # noqa: F401 - the feature names are also this module's: miners and offers read them
     FEATURES,
+    GRAMMAR,
     LOGIT_BIAS,
     LOGPROBS,
     MAX_TOOLS,

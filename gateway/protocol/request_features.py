@@ -23,7 +23,11 @@ from .errors import bad_request
 
 TOOLS, RESPONSE_FORMAT, LOGPROBS, LOGIT_BIAS, TOP_K, MIN_P = (
     "tools", "response_format", "logprobs", "logit_bias", "top_k", "min_p")
-FEATURES = frozenset({TOOLS, RESPONSE_FORMAT, LOGPROBS, LOGIT_BIAS, TOP_K, MIN_P})
+# Not a request field: the miner decodes JSON output and forced tool calls under the subnet's grammar
+# (gateway.protocol.structure, neurons.model.grammar), so the audit forces them under the same one. Another runtime's
+# grammar (vLLM's xgrammar allows other whitespace) would fail honest answers: theirs are not audited, not paid.
+GRAMMAR = "subnet_grammar"
+FEATURES = frozenset({TOOLS, RESPONSE_FORMAT, LOGPROBS, LOGIT_BIAS, TOP_K, MIN_P, GRAMMAR})
 MAX_TOOLS = 128
 MAX_TOP_LOGPROBS = 20
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a function name, as OpenAI allows it

@@ -57,4 +57,5 @@ def answer_of(request: MinerRequest, sampling: SamplingParams, meter: StreamMete
         tool_calls=tuple((c["function"]["name"], c["function"]["arguments"]) for _, c in sorted(meter.calls.items()))
         if meter.calls else None,
         structure=structure_of(request.fields),
+        logprobs=tuple(meter.logprobs) if request.fields.get("logprobs") is True else None,
     )

@@ -22,7 +22,7 @@ from gateway.protocol.measurement import FailureReason, Measurement
 
 from ..metering import MeterFailure, StreamMeter
 from ..protocol.miner_request import MinerRequest
-from ..protocol.openai import SAMPLER_HEADER, SLOTS_HEADER, encode_body, miner_body
+from ..protocol.openai import GRAMMAR, SAMPLER_HEADER, SLOTS_HEADER, encode_body, miner_body
 from ..protocol.sampling import wire_seed
 from ..protocol.sse import ChunkInfo
 from ..router import Lease
@@ -66,7 +66,8 @@ class UpstreamStream:
         self.sampling = sampling if lease.miner.declares_sampler else replace(sampling, seed=None)
         self.prompt_tokens = request.prompt_tokens
         self.skipped = audit_skip(request.fields, sampling.greedy, tools=limits.audit_tools,
-                                  grammars=limits.audit_grammars, model=limits.audited_model)
+                                  grammars=limits.audit_grammars and GRAMMAR in lease.miner.features,
+                                  model=limits.audited_model)
         self._body = encode_body(miner_body(request.fields, self.max_tokens, seed))
         keep = limits.keep_answers and self.skipped is None  # an answer no audit can check is not kept for one
         self.meter = StreamMeter(self.max_tokens, self.t0, max_line_bytes=limits.max_line_bytes,

@@ -68,11 +68,37 @@ class LlamaEngine:
         self.stop_ids = frozenset({int(self._llm.token_eos()), *(int(t) for t in end_of_turn[:1])})
         self._pieces: dict[int, bytes] = {}
         self._grammar: Grammar | None = None  # the running job's (constrained): choose masks by it, push moves it
+        self._top_logprobs: int | None = None  # the running job's (job): reported() names each token's logprob
 
     def grammar(self, text: str) -> Grammar:
         """llama.cpp's grammar sampler for ``text`` over this model's vocabulary (close it when done); raises
         :class:`~neurons.model.grammar.GrammarError` when llama.cpp refuses the grammar."""
         return Grammar(self._lib.llama_model_get_vocab(self._llm.model), text, self.vocab_size)
+
+    @contextlib.contextmanager
+    def job(self, grammar: str | None = None, top_logprobs: int | None = None) -> Iterator[None]:
+        """One answer's decoding: under ``grammar`` (:meth:`constrained`), and with each token's log-probability
+        and ``top_logprobs`` alternatives (:meth:`reported`) when that is not None."""
+        self._top_logprobs = top_logprobs
+        try:
+            with self.constrained(grammar):
+                yield
+        finally:
+            self._top_logprobs = None
+
+    def reported(self, logits: npt.NDArray[np.float32], token: int) -> Reported | None:
+        """What the answer reports of ``token`` when its job asked for logprobs (None otherwise): its log-probability
+        under the model's raw distribution (before temperature, nucleus or grammar, as vLLM's default reports it and
+        the audit recomputes it) and the most likely alternatives', best first."""
+        if self._top_logprobs is None:
+            return None
+        row = np.asarray(logits, dtype=np.float64)
+        best = float(row.max())
+        total = best + float(np.log(np.exp(row - best).sum()))  # 4x faster than np.logaddexp.reduce over 262k
+        k = self._top_logprobs
+        top = np.argpartition(-row, k)[:k] if 0 < k < row.shape[0] else np.arange(min(k, row.shape[0]))
+        top = top[np.argsort(-row[top], kind="stable")]
+        return float(row[token]) - total, tuple((self.piece(int(t)), float(row[t]) - total) for t in top)
 
     @contextlib.contextmanager
     def constrained(self, text: str | None) -> Iterator[None]:
@@ -200,6 +226,9 @@ class LlamaEngine:
             lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
         return out
 
+
+# One token's reported log-probability and its best alternatives' (bytes, log-probability): LlamaEngine.reported
+Reported = tuple[float, tuple[tuple[bytes, float], ...]]
 
 _FORCE_BATCH = 64  # tokens per decode call that want logits: bounds llama.cpp's output buffer to 64 rows
 _PROMPT_BATCH = 512  # prompt tokens per decode call (no logits): the context's n_batch

@@ -29,7 +29,7 @@ from gateway.protocol.measurement import Answer
 from neurons.model.engine import EngineThread
 from neurons.model.grammar import GrammarError, gbnf, masked_rows
 from neurons.model.packaged import MODEL_ID, ModelUnavailable, model_path
-from scoring.audit import AuditBands, ForcedScores, Verdict, check_ids, force, judge
+from scoring.audit import AuditBands, ForcedScores, Verdict, check_ids, check_logprobs, chosen_logprobs, force, judge
 
 from .base import Constraining, ForcingEngine
 
@@ -85,6 +85,9 @@ def replay_scored(engine: ForcingEngine, answer: Answer, bands: AuditBands
     if len(prompt) + len(checked.ids) + 1 > engine.n_ctx:
         return None
     rows = engine.forced_logits(prompt, checked.ids)
+    wrong = check_logprobs(answer, chosen_logprobs(rows, checked.ids), bands) if answer.logprobs is not None else None
+    if wrong is not None:
+        return dataclasses.replace(wrong, prompt_tokens=len(prompt)), None
     if answer.structure is not None:
         if not isinstance(engine, Constraining):
             return None

@@ -39,7 +39,8 @@ def encode_request(answer: Answer, bands: AuditBands) -> bytes:
                    "token_ids": None if answer.token_ids is None else list(answer.token_ids),
                    "finish_reason": answer.finish_reason,
                    "tool_calls": None if answer.tool_calls is None else [list(c) for c in answer.tool_calls],
-                   "structure": None if answer.structure is None else answer.structure.to_json()},
+                   "structure": None if answer.structure is None else answer.structure.to_json(),
+                   "logprobs": None if answer.logprobs is None else list(answer.logprobs)},
         "bands": dataclasses.asdict(bands),
     }, allow_nan=False).encode()
 
@@ -84,9 +85,14 @@ def decode_request(obj: Any) -> tuple[Answer, AuditBands]:
         structure = None if a.get("structure") is None else Structure.from_json(a["structure"])
     except ValueError as e:
         raise BadAuditRequest(f"answer.structure: {e}") from None
+    logprobs = a.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, list) or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in logprobs)):
+        raise BadAuditRequest("answer.logprobs must be null or a list of finite numbers")
     answer = Answer(messages=messages, sampling=sampling, max_tokens=max_tokens, stop=tuple(stop), text=text,
                     token_ids=None if ids is None else tuple(ids), finish_reason=finish,
-                    tool_calls=None if calls is None else tuple((c[0], c[1]) for c in calls), structure=structure)
+                    tool_calls=None if calls is None else tuple((c[0], c[1]) for c in calls), structure=structure,
+                    logprobs=None if logprobs is None else tuple(float(x) for x in logprobs))
     raw = obj.get("bands") or {}
     if not isinstance(raw, dict):
         raise BadAuditRequest("bands must be an object")

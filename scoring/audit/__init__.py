@@ -4,10 +4,10 @@ The reference runtime that produces the logits, and the queue that runs audits o
 live with the validator process (:mod:`neurons.reference`, :mod:`neurons.validator.auditor`).
 """
 
-from scoring.audit.forcing import ForcedScores, force
+from scoring.audit.forcing import ForcedScores, chosen_logprobs, force
 from scoring.audit.policy import apply_verdict, should_audit
 from scoring.audit.strikes import StrikeBook, StrikePolicy, StrikeRecord
-from scoring.audit.verdict import AuditBands, AuditFailure, CheckedIds, Verdict, check_ids, judge
+from scoring.audit.verdict import AuditBands, AuditFailure, CheckedIds, Verdict, check_ids, check_logprobs, judge
 
 __all__ = [
     "AuditBands",
@@ -20,6 +20,8 @@ __all__ = [
     "Verdict",
     "apply_verdict",
     "check_ids",
+    "check_logprobs",
+    "chosen_logprobs",
     "force",
     "judge",
     "should_audit",

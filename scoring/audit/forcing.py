@@ -205,3 +205,18 @@ def _moments(z: npt.NDArray[np.float32], ids: npt.NDArray[np.int64]) -> tuple[Fl
     lse = np.log(total)
     chosen = z[np.arange(z.shape[0]), ids].astype(np.float64) - lse
     return chosen, ez - lse, np.maximum(0.0, ez2 - ez * ez)
+
+
+def chosen_logprobs(logits: npt.ArrayLike, chosen: npt.ArrayLike) -> FloatArray:
+    """Each chosen token's log-probability under the raw distribution of its row (temperature 1, no nucleus, no
+    grammar: what a runtime reports as a token's logprob by default), for the first ``len(chosen)`` rows."""
+    rows = np.asarray(logits, dtype=np.float32)
+    ids = np.asarray(chosen, dtype=np.int64)
+    out = np.zeros(ids.shape[0])
+    for lo in range(0, ids.shape[0], _BLOCK):
+        hi = min(ids.shape[0], lo + _BLOCK)
+        block = rows[lo:hi].astype(np.float64)
+        best = block.max(axis=1)
+        total = best + np.log(np.exp(block - best[:, None]).sum(axis=1))
+        out[lo:hi] = block[np.arange(hi - lo), ids[lo:hi]] - total
+    return out

@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gateway.protocol.measurement import Answer
+from gateway.protocol.sampling import FloatArray
 from gateway.protocol.tools import parse_tool_calls, same_calls
 
 from .forcing import NUCLEUS_SLACK, ForcedScores
@@ -61,6 +62,7 @@ class AuditFailure(StrEnum):
     IMPLAUSIBLE = "implausible"  # sampled: not drawn from the distribution the client asked for
     EARLY_STOP = "early_stop"  # claimed a stop where the model would have gone on
     FALSE_LENGTH = "false_length"  # claimed the length limit before reaching it
+    WRONG_LOGPROBS = "wrong_logprobs"  # reported log-probabilities the model does not give its tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +88,13 @@ class AuditBands:
     logit_noise: float = 0.15
     nucleus_miss_share: float = 0.05
     min_stop_prob: float = 1e-4
+    # Reported logprobs (raw, as vLLM's default): over 480 honest positions (greedy and seeded, token by token
+    # against the batched reference, llama.cpp on CPU) they were off by 0.013 nats at the median, 0.32 at p99 and
+    # 0.44 at most. A position misses beyond this band; misses are allowed as greedy ones are (greedy_miss_share).
+    logprob_gap: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("greedy_gap", "greedy_hard_gap", "z_limit", "min_stop_prob"):
+        for name in ("greedy_gap", "greedy_hard_gap", "z_limit", "min_stop_prob", "logprob_gap"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise ValueError(f"AuditBands.{name} must be a positive number, got {v!r}")
@@ -181,6 +187,25 @@ def _stopped_at_string(answer: Answer, spelled: str, body: tuple[int, ...] | lis
         if s and spelled.startswith(answer.text + s) and end > before_last:
             return True
     return False
+
+
+def check_logprobs(answer: Answer, raw: FloatArray, bands: AuditBands) -> Verdict | None:
+    """A failed verdict when the logprobs the miner reported are not the model's: fewer than its tokens, or more
+    than a greedy answer's share of misses off the reference's raw log-probability (``raw``, one per forced token)
+    by over ``bands.logprob_gap``. None: nothing reported (not asked, or a tool call) or they hold."""
+    if answer.logprobs is None or answer.tool_calls is not None:
+        return None
+    n = int(raw.shape[0])
+    reported = np.asarray(answer.logprobs[:n], dtype=np.float64)
+    if reported.shape[0] < n:
+        return _fail(AuditFailure.WRONG_LOGPROBS, f"logprobs reported for {reported.shape[0]} of {n} tokens")
+    off = np.abs(reported - raw)
+    misses = int((off > bands.logprob_gap).sum())
+    if misses > max(bands.min_misses, bands.greedy_miss_share * n):
+        return _fail(AuditFailure.WRONG_LOGPROBS, f"{misses}/{n} reported logprobs off the model's by more than "
+                                                  f"{bands.logprob_gap} nats (worst {float(off.max()):.2f})",
+                     miss_share=misses / n)
+    return None
 
 
 def judge(answer: Answer, checked: CheckedIds, scores: ForcedScores, bands: AuditBands) -> Verdict:

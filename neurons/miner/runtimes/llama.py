@@ -29,16 +29,25 @@ import random
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.protocol.openai import MODEL_CONTEXT, RESPONSE_FORMAT, SUBNET_SAMPLER, TOOLS, requested_max_tokens
+from gateway.protocol.openai import (
+    GRAMMAR,
+    LOGPROBS,
+    MODEL_CONTEXT,
+    RESPONSE_FORMAT,
+    SUBNET_SAMPLER,
+    TOOLS,
+    requested_max_tokens,
+)
 from gateway.protocol.sampling import SamplingParams
 from gateway.protocol.sse import DONE_FRAME, ChunkFramer, frame
 from gateway.protocol.structure import structure_of
 from gateway.protocol.tools import prompt_messages
-from neurons.model.engine import ContextOverflow, EngineThread, LlamaEngine
+from neurons.model.engine import ContextOverflow, EngineThread, LlamaEngine, Reported
 from neurons.model.grammar import GrammarError, gbnf
 from neurons.model.packaged import MODEL_ID, ModelUnavailable
 
@@ -59,7 +68,7 @@ class LlamaRuntime:
         self.sampler: str | None = SUBNET_SAMPLER  # seeded requests are drawn with it (LlamaEngine.choose)
         # tools in the subnet's tool format (gateway.protocol.tools); JSON output and forced tool calls decoded under
         # the subnet's grammar (neurons.model.grammar)
-        self.features: frozenset[str] = frozenset({TOOLS, RESPONSE_FORMAT})
+        self.features: frozenset[str] = frozenset({TOOLS, RESPONSE_FORMAT, GRAMMAR, LOGPROBS})  # logprobs: raw
         self.model = model
         self._path = path
         self._slots = slots
@@ -136,6 +145,7 @@ class LlamaRuntime:
         max_tokens = requested_max_tokens(payload)
         sampling = SamplingParams.of(payload)
         grammar = _grammar_of(payload)
+        top_logprobs = _top_logprobs(payload)
         seed = payload.get("seed")
         rng = random.Random(seed) if isinstance(seed, int) and not isinstance(seed, bool) else \
             random.Random(self._rng.getrandbits(64))
@@ -144,13 +154,15 @@ class LlamaRuntime:
         out = ChunkFramer("chatcmpl-" + secrets.token_hex(12), int(time.time()),
                           named if isinstance(named, str) else self.model)
         framing = _Framing(out, _stop_strings(payload.get("stop")), want_ids=payload.get("return_token_ids") is True,
-                           gate=payload.get("tools") and payload.get("tool_choice", "auto") != "none")
+                           gate=payload.get("tools") and payload.get("tool_choice", "auto") != "none",
+                           logprobs=top_logprobs is not None)
         worker = await self._context()
         self._active += 1
         bridge = _Bridge(asyncio.get_running_loop())
         items, cancel = bridge.items, bridge.cancel
         self._cancels.add(cancel)
-        job = worker.submit(_run, self._generate, grammar, messages, max_tokens, sampling, rng, cancel, bridge.put)
+        job = worker.submit(_run, self._generate, (grammar, top_logprobs), messages, max_tokens, sampling, rng, cancel,
+                            bridge.put)
         try:
             first = await items.get()
             if isinstance(first, BaseException):
@@ -231,11 +243,14 @@ class _Bridge:
 class _Framing:
     """One answer's tokens as frames: UTF-8 decoded across token boundaries, the client's stop strings honoured
     (:class:`StopMatcher`), an answer that may be a tool call held back (:class:`~.features.CallGate`, with
-    ``gate``), each chunk naming its ids when asked (``want_ids``)."""
+    ``gate``), each chunk naming its ids when asked (``want_ids``) and its tokens' logprobs (``logprobs``: an entry
+    a token, OpenAI's shape, from what the decoding thread reported)."""
 
-    def __init__(self, out: ChunkFramer, stops: tuple[str, ...], *, want_ids: bool, gate: Any) -> None:
+    def __init__(self, out: ChunkFramer, stops: tuple[str, ...], *, want_ids: bool, gate: Any,
+                 logprobs: bool = False) -> None:
         self.out = out
         self.want_ids = want_ids
+        self.logprobs: deque[dict[str, Any]] | None = deque() if logprobs else None  # entries of tokens not framed
         self.gate = CallGate() if gate else None
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text_out = StopMatcher(stops)
@@ -247,16 +262,21 @@ class _Framing:
         return self.text_out.stopped
 
     def _framed(self, pieces: list[tuple[str, list[int]]]) -> list[bytes]:
-        out, want_ids = self.out, self.want_ids
+        out, want_ids, entries = self.out, self.want_ids, self.logprobs
+        if entries is not None:
+            return [frame(out.chunk({"content": t}, None, {"content": [entries.popleft() for _ in ids if entries]},
+                                    token_ids=ids if want_ids else None)) for t, ids in pieces if t or ids]
         return [out.tokens(t, ids) if want_ids else out.content(t) for t, ids in pieces if t or ids]
 
     def _chunks(self, pieces: list[tuple[str, list[int]]]) -> list[bytes]:
         return self._framed(pieces if self.gate is None else self.gate.feed(pieces))
 
-    def feed(self, item: list[tuple[int, bytes]]) -> bytes:
-        """A batch of (id, bytes) from the decoding thread: the frames that may be sent now."""
+    def feed(self, item: list[tuple[Any, ...]]) -> bytes:
+        """A batch of (id, bytes[, reported]) from the decoding thread: the frames that may be sent now."""
         batch: list[bytes] = []
-        for token_id, piece in item:
+        for token_id, piece, *reported in item:
+            if self.logprobs is not None:
+                self.logprobs.append(_entry(piece, reported[0] if reported else None))
             self.completion += 1
             self.held.append(token_id)
             text = self.decoder.decode(piece)
@@ -286,6 +306,14 @@ class _Framing:
                                         "total_tokens": prompt_tokens + n}))
         tail.append(DONE_FRAME)
         return b"".join(tail)
+
+
+def _entry(piece: bytes, reported: Reported | None) -> dict[str, Any]:
+    """One token's ``logprobs.content`` entry (a token whose runtime reported nothing gets a logprob of 0)."""
+    logprob, top = reported if reported is not None else (0.0, ())
+    return {"token": piece.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(piece),
+            "top_logprobs": [{"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+                             for b, lp in top]}
 
 
 class StopMatcher:
@@ -331,6 +359,14 @@ class StopMatcher:
         return ready
 
 
+def _top_logprobs(payload: dict[str, Any]) -> int | None:
+    """The alternatives each token's logprobs entry names (None: no logprobs asked)."""
+    if payload.get("logprobs") is not True:
+        return None
+    top = payload.get("top_logprobs")
+    return min(20, top) if isinstance(top, int) and not isinstance(top, bool) and top > 0 else 0
+
+
 def _grammar_of(payload: dict[str, Any]) -> str | None:
     """The grammar the answer is decoded under (None: free text); a schema it cannot be written for is the client's
     request's fault, a 400 before any context is taken."""
@@ -358,12 +394,12 @@ Generate = Callable[[LlamaEngine, list[dict[str, Any]], int, SamplingParams, ran
                     str | None]
 
 
-def _run(engine: LlamaEngine, generate: Generate, grammar: str | None, messages: list[dict[str, Any]],
+def _run(engine: LlamaEngine, generate: Generate, job: tuple[str | None, int | None], messages: list[dict[str, Any]],
          max_tokens: int, sampling: SamplingParams, rng: random.Random, cancel: threading.Event, put: Put) -> None:
-    """On the engine's thread: one request (under ``grammar`` when it has one), every outcome (finish, failure) sent
-    through ``put``, then the end."""
+    """On the engine's thread: one request (``job``: its grammar, and the alternatives its logprobs name, either
+    None), every outcome (finish, failure) sent through ``put``, then the end."""
     try:
-        with engine.constrained(grammar):
+        with engine.job(*job):
             finish = generate(engine, messages, max_tokens, sampling, rng, cancel, put)
         if finish is not None:
             put(finish)
@@ -377,7 +413,8 @@ def decode(engine: LlamaEngine, prompt: list[int], max_tokens: int, sampling: Sa
            cancel: threading.Event, put: Put) -> str | None:
     """Prefill ``prompt`` then decode until a stop token (``"stop"``), ``max_tokens`` (``"length"``) or cancel (None).
 
-    Sends the prompt's token count first, then each token as ``[(id, bytes)]``.
+    Sends the prompt's token count first, then each token as ``[(id, bytes, reported)]`` (``reported``: its logprobs
+    when the job asked for them, :meth:`~neurons.model.engine.LlamaEngine.reported`).
     """
     engine.check_fits(len(prompt), max_tokens)
     if not engine.begin(prompt, cancel):
@@ -386,10 +423,11 @@ def decode(engine: LlamaEngine, prompt: list[int], max_tokens: int, sampling: Sa
     for position in range(max_tokens):
         if cancel.is_set():
             return None
-        token = engine.choose(engine.next_logits(), sampling, rng, position)
+        logits = engine.next_logits()
+        token = engine.choose(logits, sampling, rng, position)
         if token in engine.stop_ids:
             return "stop"
-        put([(token, engine.piece(token))])
+        put([(token, engine.piece(token), engine.reported(logits, token))])
         engine.push(token)
     return "length"
 
@@ -411,7 +449,7 @@ def answer_once(engine: LlamaEngine, messages: list[dict[str, Any]], max_tokens:
 
     def put(item: Any) -> None:
         if isinstance(item, list):
-            for token_id, piece in item:
+            for token_id, piece, *_ in item:
                 ids.append(token_id)
                 pieces.append(piece)
         elif isinstance(item, str):
