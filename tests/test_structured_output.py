@@ -159,6 +159,36 @@ def test_the_shortlist_draws_the_token_the_whole_mask_draws(engine: LlamaEngine)
     assert checked >= 20
 
 
+def test_a_call_of_a_function_whose_parameters_nest_models_is_in_its_grammar(engine: LlamaEngine) -> None:
+    """pydantic (LangChain's and instructor's tools) writes nested models as ``$defs`` with local ``$ref``s: the call's
+    grammar finds them, and allows exactly a call the client's parser reads."""
+    from pydantic import BaseModel
+
+    class Street(BaseModel):
+        name: str
+        number: int
+
+    class Move(BaseModel):
+        to: Street
+        when: str | None = None
+
+    params = Move.model_json_schema()
+    assert "$defs" in params
+    payload = {"tools": [{"type": "function", "function": {"name": "move", "parameters": params}}],
+               "tool_choice": {"type": "function", "function": {"name": "move"}}}
+    structure = structure_of(payload)
+    assert structure is not None
+    call = '<tool_call>\n{"name": "move", "arguments": {"to": {"name": "Elm", "number": 3}, "when": null}}\n' \
+        '</tool_call>'
+    wrong = '<tool_call>\n{"name": "move", "arguments": {"to": {"name": "Elm", "number": "3"}}}\n</tool_call>'
+    for text, whole in ((call, True), (wrong, False)):
+        with engine.grammar(gbnf(structure)) as g:
+            taken = [g.accept(t) for t in engine.text_ids(text)]
+            assert all(taken) == whole, (text, taken)
+            if whole:  # the call is complete: it may end
+                assert g.allows(sorted(engine.stop_ids)).all()
+
+
 def test_a_schema_without_a_grammar_is_the_clients_error_and_not_replayed(engine: LlamaEngine,
                                                                         reference: LlamaEngine) -> None:
     from neurons.model.grammar import GrammarError

@@ -60,10 +60,15 @@ def gbnf(structure: Structure) -> str:
             converter.visit(converter.resolve_refs(schema, "request"), "")
             return str(converter.format_grammar())
         assert structure.kind == TOOL_CALL
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                  "required": ["name", "arguments"]} for name, params in structure.functions]
-        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        converter.visit(converter.resolve_refs(call, "request"), "call")
+        defs: dict[str, Any] = {}  # each function's own definitions, where its local $refs find them from the root
+        calls = []
+        for name, params in structure.functions:
+            defs.update(params.get("$defs") or {})
+            arguments = {k: v for k, v in params.items() if k != "$defs"}
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+                          "required": ["name", "arguments"]})
+        call: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        converter.visit(converter.resolve_refs({**call, "$defs": defs} if defs else call, "request"), "call")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, AssertionError) as e:
         raise GrammarError(f"the response's schema cannot be written as a grammar: {type(e).__name__}: {e}") from None
     block = f'{_literal(OPEN + chr(10))} call {_literal(chr(10) + CLOSE)}'
