@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -141,3 +142,35 @@ def test_seeded_cheats_fail(cheat: str) -> None:
         expected = AuditFailure.EARLY_STOP if cheat == "stop-early" else AuditFailure.FALSE_LENGTH
     v = _verdict(a)
     assert v is not None and v.failure == expected, v
+
+
+async def test_a_simulated_card_reports_the_toy_models_logprobs_and_the_audit_checks_them() -> None:
+    """Issue 41: the simulated card's logprobs were -0.25 with itself as its one alternative. Now each token's entry
+    is its raw log-probability in the toy model's row with the asked alternatives best first (greedy: the token is
+    the first), and the toy reference checks them as the real one does: a card reporting them 1.5 nats off fails."""
+    from gateway.metering import StreamMeter
+    from neurons.miner.runtimes.sim import PROFILES, SimulatedRuntime
+
+    rt = SimulatedRuntime(dataclasses.replace(PROFILES["rtx5090"], time_scale=20.0), rng=random.Random(1))
+    for temperature, seed in ((0.0, None), (1.0, 42)):
+        body: dict[str, Any] = {"messages": _prompt(4), "max_tokens": 12, "temperature": temperature, "seed": seed,
+                                "logprobs": True, "top_logprobs": 3}
+        meter = StreamMeter(max_tokens=12, started_at=0.0, keep_answer=True)
+        entries: list[dict[str, Any]] = []
+        async for frames in rt.stream(body):
+            for chunk in meter.feed(frames, now=1.0):
+                entries += (chunk.logprobs or {}).get("content") or []
+        assert meter.done and len(entries) == len(meter.ids) == len(meter.logprobs)
+        for e in entries:
+            alts = [a["logprob"] for a in e["top_logprobs"]]
+            assert len(alts) == 3 and alts == sorted(alts, reverse=True) and e["logprob"] <= alts[0] < 0
+            if temperature == 0.0:
+                assert e["logprob"] == alts[0]
+        sampling = SamplingParams(temperature=temperature, seed=seed)
+        a = Answer(messages=body["messages"], sampling=sampling, max_tokens=12, stop=(), text="".join(meter.text),
+                   token_ids=tuple(meter.ids), finish_reason=meter.finish_reason, logprobs=tuple(meter.logprobs))
+        v = await ToyReference().audit(a, AuditBands())
+        assert v is not None and v.passed, v
+        lied = tuple(x - 1.5 for x in meter.logprobs)
+        v = await ToyReference().audit(dataclasses.replace(a, logprobs=lied), AuditBands())
+        assert v is not None and v.failure == AuditFailure.WRONG_LOGPROBS, v

@@ -8,7 +8,16 @@ import random
 
 from gateway.protocol.measurement import Answer
 from neurons.model.toy import MODEL as TOY
-from scoring.audit import AuditBands, AuditFailure, Verdict, check_ids, force, judge
+from scoring.audit import (
+    AuditBands,
+    AuditFailure,
+    Verdict,
+    check_ids,
+    check_logprobs,
+    chosen_logprobs,
+    force,
+    judge,
+)
 from scoring.audit.verdict import CheckedIds
 
 
@@ -33,6 +42,11 @@ def _toy_audit(answer: Answer, bands: AuditBands) -> Verdict:
     checked = check_ids(answer, vocab_size=model.vocab_size, piece=model.piece, stop_ids=model.stop_ids)
     if isinstance(checked, Verdict):
         return checked
+    if answer.logprobs is not None:  # the simulated card reports the toy model's (features.toy_logprobs)
+        rows = model.rows(model.key(answer.messages), len(checked.ids), answer.max_tokens)
+        wrong = check_logprobs(answer, chosen_logprobs(rows, checked.ids), bands)
+        if wrong is not None:
+            return wrong
     if answer.sampling.seeded and not answer.penalised:
         return _replayed(answer, checked, bands)
     # greedy answers, and free draws (a card without the subnet's sampler): the real model's verdict on the rows

@@ -19,9 +19,13 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from gateway.protocol.openai import LOGPROBS, RESPONSE_FORMAT, TOOLS
 from gateway.protocol.sse import ChunkFramer, frame
 from gateway.protocol.tools import OPEN, could_be_call, parse_tool_calls
+from neurons.model.toy import MODEL
 
 SIMULATED_FEATURES = frozenset({TOOLS, RESPONSE_FORMAT, LOGPROBS})
 
@@ -118,9 +122,22 @@ def pieces(text: str, n: int) -> list[str]:
 
 
 def logprobs_of(text: str, logprob: float) -> dict[str, Any]:
-    """``choice.logprobs`` for one token (with itself as its one alternative)."""
+    """``choice.logprobs`` for one token of text no model wrote (the scripted miner's), itself its one alternative."""
     entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
     return {"content": [{**entry, "top_logprobs": [entry]}]}
+
+
+def toy_logprobs(row: npt.NDArray[np.float32], token: int, top: int) -> dict[str, Any]:
+    """``choice.logprobs`` for ``token`` drawn from the toy model's ``row`` of logits: its raw log-probability and the
+    ``top`` most likely tokens', best first, as a real runtime reports them."""
+    logp = row.astype(np.float64) - float(np.logaddexp.reduce(row.astype(np.float64)))
+    best = np.argsort(-logp, kind="stable")[:top]
+
+    def entry(t: int) -> dict[str, Any]:
+        piece = MODEL.piece(t)
+        return {"token": piece.decode(errors="replace"), "logprob": float(logp[t]), "bytes": list(piece)}
+
+    return {"content": [{**entry(token), "top_logprobs": [entry(int(t)) for t in best]}]}
 
 
 def call_frames(out: ChunkFramer, calls: list[tuple[str, str]], ids: list[int] | None, id_prefix: str, *,

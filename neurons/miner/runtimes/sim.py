@@ -54,9 +54,9 @@ from .features import (
     as_json,
     call_arguments,
     call_frames,
-    logprobs_of,
     pieces,
     tool_to_call,
+    toy_logprobs,
     wants_json,
 )
 
@@ -226,11 +226,11 @@ class SimulatedRuntime:
             text = b"".join(MODEL.piece(t) for t in tokens).decode(errors="replace")
             return [frames.content(p) for p in pieces(as_json(text, payload), len(tokens))], "stop"  # the object closed
         if payload.get("logprobs") is True:
-            out = []
-            for t in tokens:
-                text = MODEL.piece(t).decode()
-                out.append(frame(frames.chunk({"content": text}, None, logprobs_of(text, -0.25), token_ids=[t])))
-            return out, None
+            rows = MODEL.rows(MODEL.key(payload.get("messages")), len(tokens), requested_max_tokens(payload))
+            top = payload.get("top_logprobs")
+            top = top if isinstance(top, int) and not isinstance(top, bool) else 0
+            return [frame(frames.chunk({"content": MODEL.piece(t).decode()}, None, toy_logprobs(rows[i], t, top),
+                                       token_ids=[t])) for i, t in enumerate(tokens)], None
         return None, None
 
     def _tokens(self, payload: dict[str, Any], max_tokens: int, total: int) -> tuple[list[int], bool]:
