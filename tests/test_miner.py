@@ -776,7 +776,7 @@ async def test_a_one_slot_miner_is_free_again_when_the_validator_reads_done(make
 
 
 def test_stop_matcher_holds_back_only_what_may_start_a_stop_string() -> None:
-    from neurons.miner.runtimes.llama import StopMatcher
+    from neurons.miner.runtimes.framing import StopMatcher
 
     m = StopMatcher(("END", "\n\n"))
     assert m.feed("Hello", [1]) == [("Hello", [1])]
