@@ -1,12 +1,13 @@
 """The subnet's grammars on llama.cpp: which tokens may come next in a constrained answer, for miner and audit alike.
 
-A :class:`~gateway.protocol.structure.Structure` becomes a GBNF grammar by llama.cpp's own converters
-(``llama_cpp.llama_grammar``: its JSON grammar, its JSON-schema converter), so a llama.cpp miner and the validator's
-reference read the same rules; a tool call is the subnet's tool format (:mod:`gateway.protocol.tools`) around a JSON
-object naming one of the functions and its arguments. llama.cpp's grammar sampler answers which tokens a grammar
-allows after the tokens accepted so far; nothing here samples with it. The subnet's sampler then picks among the
-allowed tokens (the others' logits set to :data:`MASKED`), exactly as without a grammar: temperature and nucleus
-apply to the masked distribution, as in vLLM.
+A :class:`~gateway.protocol.structure.Structure` becomes a GBNF grammar by llama.cpp's own JSON-schema converter
+(``llama_cpp.llama_grammar``; JSON mode is the schema ``{"type": "object"}``), so a llama.cpp miner and the
+validator's reference read the same rules, and vLLM reads them too (``structured_outputs.grammar``: xgrammar takes
+GBNF; llama.cpp's hand-written JSON grammar it refused); a tool call is the subnet's tool format
+(:mod:`gateway.protocol.tools`) around a JSON object naming one of the functions and its arguments. llama.cpp's
+grammar sampler answers which tokens a grammar allows after the tokens accepted so far; nothing here samples with
+it. The subnet's sampler then picks among the allowed tokens (the others' logits set to :data:`MASKED`), exactly as
+without a grammar: temperature and nucleus apply to the masked distribution, as in vLLM.
 
 Asking the grammar about all 262k tokens costs 30-100 ms a position on this CPU. Greedy and seeded draws without a
 nucleus pick the best score, so the grammar is first asked about the :data:`SHORTLIST` best-scored tokens: when one is
@@ -48,15 +49,13 @@ class GrammarError(ValueError):
 
 def gbnf(structure: Structure) -> str:
     """The grammar an answer of ``structure`` is decoded under."""
-    from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
+    from llama_cpp.llama_grammar import SchemaConverter
 
-    if structure.kind == JSON_OBJECT:
-        return JSON_GBNF
     converter = SchemaConverter(prop_order={"name": 0, "arguments": 1}, allow_fetch=False, dotall=False,
                                 raw_pattern=False)
     try:
-        if structure.kind == JSON_SCHEMA:
-            schema = json.loads(structure.schema or "{}")
+        if structure.kind in (JSON_OBJECT, JSON_SCHEMA):
+            schema = json.loads(structure.schema or "{}") if structure.kind == JSON_SCHEMA else {"type": "object"}
             converter.visit(converter.resolve_refs(schema, "request"), "")
             return str(converter.format_grammar())
         assert structure.kind == TOOL_CALL

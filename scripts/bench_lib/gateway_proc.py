@@ -109,6 +109,21 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()
     logger.add(sys.stderr, level=a.log_level)
     cands = [parse_miner(spec, uid) for uid, spec in enumerate(a.miner)]
+    profile = os.environ.get("TENSORGATE_BENCH_PROFILE")  # a path: cProfile the gateway, stats written at SIGTERM
+    if profile:
+        import cProfile
+        import signal
+
+        profiler = cProfile.Profile()
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        profiler.enable()
+        try:
+            asyncio.run(serve(cands, a.key, a.model or ["bench"], a.seed, a.max_seconds, a.drain_every,
+                              a.round_every))
+        finally:
+            profiler.disable()
+            profiler.dump_stats(profile)
+        return 0
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(cands, a.key, a.model or ["bench"], a.seed, a.max_seconds, a.drain_every, a.round_every,
                           redis_url=a.redis_url, port=a.port, workers=a.workers, scorer=not a.no_scorer,

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gateway.metering import StreamMeter  # noqa: E402
 from gateway.protocol.measurement import Answer  # noqa: E402
 from gateway.protocol.miner_request import MinerRequest  # noqa: E402
-from gateway.protocol.openai import SUBNET_SAMPLER, TOOLS  # noqa: E402
+from gateway.protocol.openai import GRAMMAR, SUBNET_SAMPLER, TOOLS  # noqa: E402
 from gateway.protocol.tools import call_text  # noqa: E402
 from gateway.upstream.record import answer_of  # noqa: E402
 from neurons.miner.runtimes.proxy import ProxyRuntime  # noqa: E402
@@ -134,11 +134,27 @@ class Tally:
         return self.failed > 0 or self.alarmed_at is not None
 
 
-def proxy(url: str, session: aiohttp.ClientSession, *, forward_seed: bool = True) -> ProxyRuntime:
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+SHAPES: list[dict[str, Any]] = [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}},
+    {"response_format": {"type": "json_object"}},
+    {"tools": [WEATHER], "tool_choice": "required"},
+]
+
+
+def shaped_requests(n: int, seed: int) -> list[dict[str, Any]]:
+    """:func:`requests` bound to a shape in turn: a JSON schema's instance, JSON mode, a forced tool call."""
+    return [{**body, **SHAPES[(i // 3) % len(SHAPES)], "max_tokens": 48} for i, body in enumerate(requests(n, seed))]
+
+
+def proxy(url: str, session: aiohttp.ClientSession, *, forward_seed: bool = True,
+          grammar: bool = True) -> ProxyRuntime:
     """The reference miner's proxy in front of the engine at ``url``, as a vLLM miner runs it: the subnet sampler
-    declared (``forward_seed=False``: declared, but the seed not passed on) and tools in the subnet's format."""
+    declared (``forward_seed=False``: declared, but the seed not passed on), tools in the subnet's format, and shaped
+    requests decoded under the subnet's grammar (``grammar=False``: vLLM's own, from ``response_format``)."""
     return ProxyRuntime(url, session, model=MODEL_ID, sampler=SUBNET_SAMPLER if forward_seed else None,
-                        features=frozenset({TOOLS}))
+                        features=frozenset({TOOLS, GRAMMAR} if grammar else {TOOLS}))
 
 
 async def answer(rt: ProxyRuntime, body: dict[str, Any]) -> tuple[Answer, float]:
@@ -154,7 +170,7 @@ async def answer(rt: ProxyRuntime, body: dict[str, Any]) -> tuple[Answer, float]
 
 
 async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], reference: LlamaEngine,
-                       bands: AuditBands, *, forward_seed: bool = True) -> Tally:
+                       bands: AuditBands, *, forward_seed: bool = True, grammar: bool = True) -> Tally:
     """Ask ``url`` for ``bodies`` through the proxy runtime and replay each answer. ``forward_seed=False``: the
     proxy does not pass the seed to the plugin (as a miner whose vLLM runs without it), though the audit expects
     the subnet sampler's tokens as the miner declared."""
@@ -162,7 +178,7 @@ async def audit_engine(name: str, url: str, bodies: list[dict[str, Any]], refere
     test = SequentialTest()
     evidence = 0.0
     async with aiohttp.ClientSession() as session:
-        rt = proxy(url, session, forward_seed=forward_seed)
+        rt = proxy(url, session, forward_seed=forward_seed, grammar=grammar)
         for i, body in enumerate(bodies):
             try:
                 a, seconds = await answer(rt, body)

@@ -13,7 +13,9 @@ for them. Without it the runtime draws with its own RNG: free draws, audited for
 
 With ``tools`` among its declared features the proxy writes tools and tool history into the turns itself and turns
 a call the model wrote back into tool-call deltas (:mod:`.tool_relay`): the runtime renders the same prompt the
-reference does, so its tool calls are audited and paid like any answer.
+reference does, so its tool calls are audited and paid like any answer. With ``subnet_grammar`` (vLLM only) a
+request for JSON output or a forced tool call asks vLLM to decode under the subnet's grammar
+(``structured_outputs.grammar``), which the audit forces the answer under: such answers are audited and paid too.
 
 Example::
 
@@ -26,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import AsyncGenerator, AsyncIterable
 from dataclasses import dataclass
@@ -34,8 +37,9 @@ from typing import Any
 import aiohttp
 from loguru import logger
 
-from gateway.protocol.openai import FEATURES, SUBNET_SAMPLER, TOOLS
+from gateway.protocol.openai import FEATURES, GRAMMAR, SUBNET_SAMPLER, TOOLS
 from gateway.protocol.sampling import is_seed
+from gateway.protocol.structure import structure_of
 
 from ..vllm_plugin import SEED_ARG
 from .base import RuntimeFailure, RuntimeHealth
@@ -91,6 +95,9 @@ class ProxyRuntime:
             raise ValueError(f"unknown sampler {sampler!r}: {SUBNET_SAMPLER!r} or None")
         if not features <= FEATURES:
             raise ValueError(f"unknown features {sorted(features - FEATURES)}: known {sorted(FEATURES)}")
+        if GRAMMAR in features and importlib.util.find_spec("llama_cpp") is None:
+            raise ValueError(f"{GRAMMAR} writes the subnet's grammars with llama.cpp's converter: install "
+                             "llama-cpp-python (pip install -e '.[real]')")
         self.features = features  # what the runtime behind serves, as its operator declares (--runtime.features)
         self.base_url = base_url.rstrip("/")
         self.url = self.base_url + "/v1/chat/completions"
@@ -126,6 +133,8 @@ class ProxyRuntime:
         if self._model:
             body["model"] = self._model
         body["stream"] = True
+        if GRAMMAR in self.features:
+            _constrain(body, payload)
         if self.sampler == SUBNET_SAMPLER and is_seed(body.get("seed")):
             extra = body.get("vllm_xargs")
             body["vllm_xargs"] = {**(extra if isinstance(extra, dict) else {}), SEED_ARG: body["seed"]}
@@ -159,3 +168,19 @@ class ProxyRuntime:
             raise RuntimeFailure("runtime unreachable", status=502, code="runtime_unreachable") from None
         finally:
             self._active -= 1
+
+
+def _constrain(body: dict[str, Any], payload: dict[str, Any]) -> None:
+    """A shaped request (JSON output, a forced tool call) asks vLLM to decode under the subnet's grammar
+    (``structured_outputs.grammar``, GBNF, which xgrammar reads) instead of its own, so the answer is what the audit
+    forces under the same grammar; a schema with no grammar is the client's request's fault (400)."""
+    from neurons.model.grammar import GrammarError, gbnf
+
+    structure = structure_of(payload)
+    if structure is None:
+        return
+    try:
+        body["structured_outputs"] = {"grammar": gbnf(structure)}
+    except GrammarError as e:
+        raise RuntimeFailure(str(e), status=400, type="invalid_request_error", code="invalid_value") from None
+    body.pop("response_format", None)
