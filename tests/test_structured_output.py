@@ -39,6 +39,9 @@ from neurons.model.engine import LlamaEngine  # noqa: E402
 from neurons.model.grammar import MASKED, constrained, gbnf  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
 from neurons.reference.llama import replay  # noqa: E402
+from tests import test_real_model as _real  # noqa: E402
+
+engine, reference = _real.engine, _real.reference  # the fixtures: the miner's context, the reference's
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
@@ -55,16 +58,6 @@ SHAPES: list[tuple[dict[str, Any], str]] = [
 ]
 DRAWS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1234),
          SamplingParams(temperature=0.8, top_p=0.9, seed=99)]
-
-
-@pytest.fixture(scope="module")
-def engine() -> LlamaEngine:
-    return LlamaEngine(model_path(), n_ctx=2048, threads=1)
-
-
-@pytest.fixture(scope="module")
-def reference() -> LlamaEngine:
-    return LlamaEngine(model_path(), n_ctx=4096, threads=1)
 
 
 def _served(engine: LlamaEngine, payload: dict[str, Any], sampling: SamplingParams, max_tokens: int = 48,
