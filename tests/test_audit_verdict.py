@@ -295,6 +295,8 @@ def test_reported_logprobs_hold_within_the_band_and_lies_fail() -> None:
     for lie in (np.zeros_like(raw), raw + 1.5, raw[:10]):
         v = check_logprobs(dataclasses.replace(honest, logprobs=tuple(lie)), raw, b)
         assert v is not None and not v.passed and v.failure == AuditFailure.WRONG_LOGPROBS, lie
+    stopped = dataclasses.replace(honest, stop=("\n",), logprobs=tuple(raw[:18]))  # the stop string's own left out
+    assert check_logprobs(stopped, raw, b) is None
     called = dataclasses.replace(honest, logprobs=(), tool_calls=(("f", "{}"),))
     assert check_logprobs(called, raw, b) is None
     rows = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]])) + 3.0  # logits: any shift

@@ -192,14 +192,18 @@ def _stopped_at_string(answer: Answer, spelled: str, body: tuple[int, ...] | lis
 def check_logprobs(answer: Answer, raw: FloatArray, bands: AuditBands) -> Verdict | None:
     """A failed verdict when the logprobs the miner reported are not the model's: fewer than its tokens, or more
     than a greedy answer's share of misses off the reference's raw log-probability (``raw``, one per forced token)
-    by over ``bands.logprob_gap``. None: nothing reported (not asked, or a tool call) or they hold."""
+    by over ``bands.logprob_gap``. None: nothing reported (not asked, or a tool call) or they hold. An answer cut at a
+    client's stop string may leave out the entries of the string's own tokens (their ids still named)."""
     if answer.logprobs is None or answer.tool_calls is not None:
         return None
     n = int(raw.shape[0])
     reported = np.asarray(answer.logprobs[:n], dtype=np.float64)
-    if reported.shape[0] < n:
+    if reported.shape[0] < n and not (answer.stop and reported.shape[0]):
         return _fail(AuditFailure.WRONG_LOGPROBS, f"logprobs reported for {reported.shape[0]} of {n} tokens")
-    off = np.abs(reported - raw)
+    n = int(reported.shape[0])
+    if n == 0:
+        return None
+    off = np.abs(reported - raw[:n])
     misses = int((off > bands.logprob_gap).sum())
     if misses > max(bands.min_misses, bands.greedy_miss_share * n):
         return _fail(AuditFailure.WRONG_LOGPROBS, f"{misses}/{n} reported logprobs off the model's by more than "
