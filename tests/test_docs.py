@@ -119,7 +119,7 @@ def test_quick_start_commands_are_what_ci_runs_or_run_here(tmp_path: Path) -> No
         if cmd.startswith("python3 -m venv"):
             install = cmd.split(" && (command -v redis-server")[0]
             assert install in ci, f"the README's install is not what .ci/run runs: {install}"
-            assert "redis-server" in ci
+            assert "redis-server" in ci and "prometheus" in ci
         elif cmd == "bash scripts/field_vllm.sh prepare":
             assert cmd in ci
         elif cmd.startswith(".venv/bin/ruff check ."):
