@@ -76,8 +76,9 @@ def rates(scrapes: list[Scrape], name: str, by: str, window: float, scale: float
     return out
 
 
-def quantiles(scrapes: list[Scrape], name: str, q: float, window: float) -> dict[str, list[tuple[float, float]]]:
-    """``histogram_quantile(q, sum by (le, uid) (rate(name_bucket[window])))`` per uid, at each scrape."""
+def quantiles(scrapes: list[Scrape], name: str, q: float, window: float, by: str = "uid"
+              ) -> dict[str, list[tuple[float, float]]]:
+    """``histogram_quantile(q, sum by (le, by) (rate(name_bucket[window])))`` per value of ``by``, at each scrape."""
     out: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for i, (t, sample) in enumerate(scrapes):
         older = [s for s in scrapes[:i] if t - s[0] <= window]
@@ -89,7 +90,7 @@ def quantiles(scrapes: list[Scrape], name: str, q: float, window: float) -> dict
             if metric == name + "_bucket":
                 d = dict(labels)
                 bound = math.inf if d["le"] == "+Inf" else float(d["le"])
-                per_uid[d["uid"]].append((bound, v - base.get((metric, labels), 0.0)))
+                per_uid[d[by]].append((bound, v - base.get((metric, labels), 0.0)))
         for uid, buckets in per_uid.items():
             buckets.sort()
             total = buckets[-1][1]
@@ -104,6 +105,13 @@ def quantiles(scrapes: list[Scrape], name: str, q: float, window: float) -> dict
                     break
                 prev_le, prev_n = le, n
     return out
+
+
+def _client(scrapes: list[Scrape], what: str) -> dict[str, list[tuple[float, float]]]:
+    """The clients' p50 and p95 of ``gen_ai_server_<what>_seconds``, one line each per model."""
+    name = f"gen_ai_server_{what}_seconds"
+    return {f"p{round(100 * q)} {model}": points for q in (0.5, 0.95)
+            for model, points in quantiles(scrapes, name, q, 60, by="gen_ai_request_model").items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,13 +161,17 @@ def main(argv: list[str] | None = None) -> int:
         ("Failures per second, by reason", rates(scrapes, "tensorgate_miner_failures_total", "reason", 60)),
         ("Audits per minute, by outcome", rates(scrapes, "tensorgate_audits_total", "outcome", 60, scale=60.0)),
         ("Settled value per hotkey (what weights follow)", series(scrapes, "tensorgate_settled_value", "hotkey")),
+        ("Clients' time to first token, p50 and p95, by model (s)", _client(scrapes, "time_to_first_token")),
+        ("Clients' request duration, p50 and p95, by model (s)", _client(scrapes, "request_duration")),
+        ("Tokens per second, by direction", rates(scrapes, "gen_ai_client_token_usage_total", "gen_ai_token_type", 60)),
+        ("Gateway process: CPU (cores)", rates(scrapes, "process_cpu_seconds_total", "", 60)),
     ]
-    fig, axes = plt.subplots(4, 2, figsize=(13, 13))
+    fig, axes = plt.subplots(6, 2, figsize=(13, 19))
     for ax, (title, lines) in zip(axes.flat, panels, strict=True):
         for label, points in sorted(lines.items()):
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, label=label[:12])
+                ax.plot(xs, ys, label=label[:24])
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("seconds", fontsize=8)
         ax.tick_params(labelsize=8)
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"tensorgate: the embedded local subnet, {args.rounds} rounds of {args.round_seconds:g} s, "
                  f"{len(scrapes)} scrapes of /metrics", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # room for the title above the first row
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=80)
     print(f"{args.out}: {len(scrapes)} scrapes, {sum(len(s[1]) for s in scrapes[-1:])} samples in the last")
