@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from gateway.protocol.sampling import SamplingParams, asked_logprobs, seeded_token
+from gateway.protocol.sampling import SamplingParams, asked_logprobs, log_softmax, seeded_token
 
 from .chat_template import END_OF_TURN, render
 from .grammar import Grammar, constrained
@@ -92,13 +92,11 @@ class LlamaEngine:
         the audit recomputes it) and the most likely alternatives', best first."""
         if self._top_logprobs is None:
             return None
-        row = np.asarray(logits, dtype=np.float64)
-        best = float(row.max())
-        total = best + float(np.log(np.exp(row - best).sum()))  # 4x faster than np.logaddexp.reduce over 262k
+        logp = log_softmax(np.asarray(logits, dtype=np.float64)[None, :])[0]
         k = self._top_logprobs
-        top = np.argpartition(-row, k)[:k] if 0 < k < row.shape[0] else np.arange(min(k, row.shape[0]))
-        top = top[np.argsort(-row[top], kind="stable")]
-        return float(row[token]) - total, tuple((self.piece(int(t)), float(row[t]) - total) for t in top)
+        top = np.argpartition(-logp, k)[:k] if 0 < k < logp.shape[0] else np.arange(min(k, logp.shape[0]))
+        top = top[np.argsort(-logp[top], kind="stable")]
+        return float(logp[token]), tuple((self.piece(int(t)), float(logp[t])) for t in top)
 
     @contextlib.contextmanager
     def constrained(self, text: str | None) -> Iterator[None]:

@@ -147,8 +147,8 @@ def constrained(logits: npt.NDArray[np.float32], grammar: Grammar, sampling: Sam
         top = np.argpartition(-scores, SHORTLIST)[:SHORTLIST] if row.shape[0] > SHORTLIST else np.arange(row.shape[0])
         ok = grammar.allows(top)
         if ok.any():
-            ids = np.concatenate([top[ok], np.asarray(keep, dtype=np.int64)])
-            ids = ids[grammar.allows(ids)] if keep else ids
+            kept = np.asarray(keep, dtype=np.int64)
+            ids = np.concatenate([top[ok], kept[grammar.allows(kept)]])
             out[ids] = row[ids]
             return out
     mask = grammar.allowed()

@@ -215,8 +215,5 @@ def chosen_logprobs(logits: npt.ArrayLike, chosen: npt.ArrayLike) -> FloatArray:
     out = np.zeros(ids.shape[0])
     for lo in range(0, ids.shape[0], _BLOCK):
         hi = min(ids.shape[0], lo + _BLOCK)
-        block = rows[lo:hi].astype(np.float64)
-        best = block.max(axis=1)
-        total = best + np.log(np.exp(block - best[:, None]).sum(axis=1))
-        out[lo:hi] = block[np.arange(hi - lo), ids[lo:hi]] - total
+        out[lo:hi] = log_softmax(rows[lo:hi].astype(np.float64))[np.arange(hi - lo), ids[lo:hi]]
     return out

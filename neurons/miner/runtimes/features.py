@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from gateway.protocol.openai import LOGPROBS, RESPONSE_FORMAT, TOOLS
+from gateway.protocol.sampling import log_softmax
 from gateway.protocol.sse import ChunkFramer, frame
 from gateway.protocol.tools import OPEN, could_be_call, parse_tool_calls
 from neurons.model.toy import MODEL
@@ -130,7 +131,7 @@ def logprobs_of(text: str, logprob: float) -> dict[str, Any]:
 def toy_logprobs(row: npt.NDArray[np.float32], token: int, top: int) -> dict[str, Any]:
     """``choice.logprobs`` for ``token`` drawn from the toy model's ``row`` of logits: its raw log-probability and the
     ``top`` most likely tokens', best first, as a real runtime reports them."""
-    logp = row.astype(np.float64) - float(np.logaddexp.reduce(row.astype(np.float64)))
+    logp = log_softmax(row.astype(np.float64)[None, :])[0]
     best = np.argsort(-logp, kind="stable")[:top]
 
     def entry(t: int) -> dict[str, Any]:
