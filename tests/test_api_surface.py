@@ -17,8 +17,9 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from neurons.local_subnet import LocalSubnet, start_local_subnet, stop_local_subnet
+from neurons.local_subnet import LocalSubnet
 from neurons.validator.config import ValidatorConfig
+from tests.subnets import running_subnet
 
 FIRST, SECOND = "tensorgate/sim-5090", "org/second-model"
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -31,13 +32,8 @@ WEATHER: Any = {"type": "function", "function": {
 async def subnet(tmp_path: Path) -> AsyncIterator[LocalSubnet]:
     cfg = ValidatorConfig(local=True, state_dir=tmp_path, gateway_port=0, local_round_s=30.0, local_block_time=0.25,
                           local_miners=2, probes_per_round=0, capacity_check=False, models=[FIRST, SECOND], seed=5)
-    net = await start_local_subnet(cfg, seed=5)
-    await net.validator.start()
-    try:
+    async with running_subnet(cfg, seed=5) as net:
         yield net
-    finally:
-        await net.validator.stop()
-        await stop_local_subnet(net)
 
 
 def client_of(net: LocalSubnet) -> openai.AsyncOpenAI:

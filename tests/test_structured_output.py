@@ -240,19 +240,14 @@ async def test_the_real_runtime_reports_the_models_logprobs_and_the_audit_checks
 
 @pytest.fixture
 async def real_subnet(tmp_path: Path) -> AsyncIterator[Any]:
-    from neurons.local_subnet import start_local_subnet, stop_local_subnet
     from neurons.validator.config import ValidatorConfig
+    from tests.subnets import running_subnet
 
     cfg = ValidatorConfig(local=True, local_runtime="real", state_dir=tmp_path, gateway_port=0, local_round_s=600.0,
                           local_block_time=0.5, local_miners=1, local_traffic_rps=0.0, probes_per_round=0,
                           capacity_check=False, audit_rate=1.0, seed=3)
-    net = await start_local_subnet(cfg, seed=3)
-    await net.validator.start()
-    try:
+    async with running_subnet(cfg, seed=3) as net:
         yield net
-    finally:
-        await net.validator.stop()
-        await stop_local_subnet(net)
 
 
 async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runtime_are_audited(
