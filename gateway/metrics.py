@@ -98,18 +98,27 @@ def _dispatch_families(gw: Gateway) -> Iterator[Metric]:
 
 
 def _miner_families(gw: Gateway) -> Iterator[Metric]:
-    """Each routable miner as the router holds it: this validator's streams, declared slots, quarantine."""
+    """Each routable miner as the router holds it: this validator's streams, declared slots, quarantine, and the
+    models it serves. The models are an info series (one 1 per model, as vLLM's ``*_info`` gauges), not a label on
+    every per-miner series: a dispatch is already one model's, and joining on ``uid``
+    (``... * on(uid) group_left(model) tensorgate_miner_model``) adds the label to any of them without splitting each
+    miner's histograms by model on the serving path."""
     in_flight = GaugeMetricFamily("tensorgate_miner_in_flight", "This validator's streams on each miner",
                                   labels=["uid", "hotkey"])
     slots = GaugeMetricFamily("tensorgate_miner_slots", "Slots each miner declares", labels=["uid", "hotkey"])
     quarantined = GaugeMetricFamily("tensorgate_miner_quarantined", "1 while a miner is quarantined by its audits",
                                     labels=["uid", "hotkey"])
+    models = GaugeMetricFamily("tensorgate_miner_model", "1 for each model a miner serves (what it declared, or the "
+                               "subnet's default model when it declared none)", labels=["uid", "hotkey", "model"])
+    default = gw.router.default_model
     for m in gw.router.miners():
         labels = [str(m.uid), m.hotkey]
         in_flight.add_metric(labels, m.in_flight)
         slots.add_metric(labels, m.slots)
         quarantined.add_metric(labels, 1 if m.quarantined else 0)
-    yield from (in_flight, slots, quarantined)
+        for model in sorted(m.models or ({default} if default else set())):
+            models.add_metric([*labels, model], 1)
+    yield from (in_flight, slots, quarantined, models)
 
 
 def _key_families(gw: Gateway) -> Iterator[Metric]:

@@ -51,6 +51,16 @@ async def test_metrics_after_known_traffic(make_miner, make_gateway, tmp_path) -
     if statuses.count(502):
         assert got[("tensorgate_miner_failures_total", (("reason", "garbage"), ("uid", bad_uid)))] >= 1
     assert got[("tensorgate_miner_quarantined", (("hotkey", bad.hotkey), ("uid", bad_uid)))] == 1
+    # the models each miner serves, as an info series: declared, or the subnet's default for a miner that declared none
+    ok_state = h.router.get(int(ok_uid))
+    assert ok_state is not None
+    h.router.learn_offer(ok_state, frozenset({"tensorgate/sim-5090", "other/model"}), frozenset())
+    async with h.client.get(h.base_url + "/metrics") as r:
+        served_models = {(labels, v) for (name, labels), v in _samples(await r.text()).items()
+                         if name == "tensorgate_miner_model"}
+    assert served_models == {((("hotkey", ok.hotkey), ("model", m), ("uid", ok_uid)), 1.0)
+                             for m in ("other/model", "tensorgate/sim-5090")} | \
+        {((("hotkey", bad.hotkey), ("model", "tensorgate/sim-5090"), ("uid", bad_uid)), 1.0)}
     assert got[("tensorgate_key_requests_today", (("key", "alice"),))] == 6
     assert ("tensorgate_in_flight", ()) in got
     # per-miner histograms: every completed 3-token answer of the good miner has a TTFT and a decode rate

@@ -4,12 +4,13 @@ reported as the model gives them and checked by the audit against the reference'
 
 Needs the ``.[real]`` extra, as ``tests/test_real_model.py`` does. The end-to-end test runs the local subnet with the
 real runtime and speaks to it through the official ``openai`` SDK (``.parse()`` with a pydantic model) and LangChain
-(a forced tool call, ``with_structured_output``), the shapes ``instructor``'s modes send as well.
+(a forced tool call, ``with_structured_output``), and ``instructor`` in each of its OpenAI modes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -314,3 +315,57 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
     assert auditor.counts["unauditable"] == 0 and auditor.counts["errors"] == 0, auditor.counts
     skipped = real_subnet.validator.gateway.upstream.stats[1].skipped
     assert not {"response_format", "tool_choice"} & set(skipped), skipped
+
+
+async def test_instructor_in_each_openai_mode_against_the_real_runtime_is_served_and_audited(
+        real_subnet: Any) -> None:
+    """``instructor`` (the library, as a user installs it) in each of its OpenAI chat modes against the local subnet's
+    llama.cpp miner. The modes that bind the answer to a shape (a forced tool call; a JSON schema;
+    JSON mode, with the schema in the prompt as instructor writes it) return the pydantic object, greedy and on an
+    extraction the 270M model can do. The modes that only ask in words (``MD_JSON``: a fenced block; ``PARALLEL_TOOLS``:
+    ``tool_choice="auto"``) leave the answer to the model, and Gemma 3 270M does not follow them (it repeats
+    instructor's prompt until ``max_tokens``): those answers are still served as the model wrote them, audited and
+    paid, so a miner is never the poorer for a client's mode. Every answer is audited (rate 1.0), none skipped."""
+    from collections.abc import Iterable
+
+    import instructor
+    import openai
+    from instructor.core import InstructorError
+    from pydantic import BaseModel
+
+    class User(BaseModel):
+        name: str
+        age: int
+
+    port, key = real_subnet.validator.gateway.port, real_subnet.api_key
+    model = real_subnet.cfg.models[0]
+    ask: Any = [{"role": "user", "content": "Jason is 25 years old."}]
+    bound = [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA, instructor.Mode.JSON]  # TOOLS_STRICT, JSON_O1: aliases
+    asked: list[tuple[Any, Any]] = [(instructor.Mode.MD_JSON, User), (instructor.Mode.PARALLEL_TOOLS, Iterable[User])]
+    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0,
+                                  timeout=120) as raw:
+        for mode in bound:
+            client = instructor.from_openai(raw, mode=mode)
+            user = await client.chat.completions.create(model=model, response_model=User, messages=ask,
+                                                        max_retries=0, max_tokens=96, temperature=0)
+            assert user.name == "Jason" and user.age > 0, (mode, user)
+        served = 0
+        for mode, response_model in asked:
+            client = instructor.from_openai(raw, mode=mode)
+            replies: list[Any] = []
+            client.on("completion:response", replies.append)
+            with contextlib.suppress(InstructorError):  # the model's words, not the gateway's
+                await client.chat.completions.create(model=model, response_model=response_model, messages=ask,
+                                                     max_retries=0, max_tokens=48, temperature=0)
+            assert len(replies) == 1 and replies[0].choices[0].message.content, (mode, replies)
+            served += 1
+    sent = len(bound) + served
+
+    auditor = real_subnet.validator.auditor
+    for _ in range(360):
+        if auditor.counts["passed"] + auditor.counts["failed"] + auditor.counts["unauditable"] >= sent:
+            break
+        await asyncio.sleep(0.5)
+    assert auditor.counts["passed"] == sent and auditor.counts["failed"] == 0, auditor.counts
+    assert auditor.counts["unauditable"] == 0 and auditor.counts["errors"] == 0, auditor.counts
+    assert not real_subnet.validator.gateway.upstream.stats[1].skipped
