@@ -334,7 +334,7 @@ async def test_redis_down_the_gateway_serves_on_and_sends_its_measurements_when_
             # 2 with Redis; then this process's share of the 8 the key had left: 8 // 2 processes = 4 (issue 39 row 6:
             # the share of the whole limit, 5, ignored what the key had used)
             assert statuses == [200] * 6 + [429] * 4
-            assert len(parts.shared.publisher) >= 5  # waiting for Redis
+            assert len(parts.shared.publisher) >= 4  # the 4 served without Redis wait (the 2 before may have gone)
             server.start()
             link = parts.shared.link
             assert link.outages == 1  # said once, not once a request
