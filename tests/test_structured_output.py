@@ -18,7 +18,7 @@ import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -41,6 +41,9 @@ from neurons.model.grammar import MASKED, constrained, gbnf  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
 from neurons.reference.llama import replay  # noqa: E402
 from tests import test_real_model as _real  # noqa: E402
+
+if TYPE_CHECKING:
+    import openai
 
 engine, reference = _real.engine, _real.reference  # the fixtures: the miner's context, the reference's
 
@@ -251,6 +254,31 @@ async def real_subnet(tmp_path: Path) -> AsyncIterator[Any]:
         yield net
 
 
+def _base_url(net: Any) -> str:
+    return f"http://127.0.0.1:{net.validator.gateway.port}/v1"
+
+
+def _sdk_client(net: Any) -> openai.AsyncOpenAI:
+    """The official SDK's async client for the local subnet: no retries (a failure shows), a CPU's patience."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=_base_url(net), api_key=net.api_key, max_retries=0, timeout=120)
+
+
+async def _all_audited_and_passed(net: Any, *, sent: int) -> None:
+    """Every one of the ``sent`` answers audited (rate 1.0) and passed, none unauditable, none skipped by a rule
+    (``response_format``, ``tool_choice``: what a shaped answer was counted as before the subnet's grammar)."""
+    auditor = net.validator.auditor
+    for _ in range(360):  # the reference replays them one by one (a second or two each; minutes beside CPU hogs)
+        if auditor.counts["passed"] + auditor.counts["failed"] + auditor.counts["unauditable"] >= sent:
+            break
+        await asyncio.sleep(0.5)
+    assert auditor.counts["passed"] == sent and auditor.counts["failed"] == 0, auditor.counts
+    assert auditor.counts["unauditable"] == 0 and auditor.counts["errors"] == 0, auditor.counts
+    skipped = net.validator.gateway.upstream.stats[1].skipped
+    assert not skipped, skipped
+
+
 async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runtime_are_audited(
         real_subnet: Any) -> None:
     """The client libraries' structured output against the local subnet's llama.cpp miner: the SDK's ``.parse()``
@@ -258,7 +286,6 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
     ``with_structured_output``. Every answer is audited (rate 1.0) under its grammar and passes; none is counted
     unaudited by the rules ``response_format`` or ``tool_choice``. A request for logprobs gets the model's, and is
     audited with them."""
-    import openai
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel
@@ -267,11 +294,9 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
         name: str
         country: str
 
-    port, key = real_subnet.validator.gateway.port, real_subnet.api_key
     model = real_subnet.cfg.models[0]
     ask: Any = [{"role": "user", "content": "Name a city in France."}]
-    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0,
-                                  timeout=120) as client:
+    async with _sdk_client(real_subnet) as client:
         parsed = await client.chat.completions.parse(model=model, messages=ask,
                                                      response_format=City, max_tokens=64, temperature=0)
         city = parsed.choices[0].message.parsed
@@ -297,24 +322,14 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
         """The weather in a city."""
         return f"sunny in {city}"
 
-    llm = ChatOpenAI(model=model, base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
+    llm = ChatOpenAI(model=model, base_url=_base_url(real_subnet), api_key=real_subnet.api_key,
                      max_retries=0, timeout=120, max_completion_tokens=64, temperature=0)
     reply = await llm.bind_tools([get_weather], tool_choice="get_weather").ainvoke("What is the weather in Paris?")
     assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
     assert isinstance(reply.tool_calls[0]["args"]["city"], str)
     structured = await llm.with_structured_output(City, method="json_schema").ainvoke("Name a city in Italy.")
     assert isinstance(structured, City)
-    sent = 6
-
-    auditor = real_subnet.validator.auditor
-    for _ in range(360):  # the reference replays them one by one (a second or two each; minutes beside CPU hogs)
-        if auditor.counts["passed"] + auditor.counts["failed"] + auditor.counts["unauditable"] >= sent:
-            break
-        await asyncio.sleep(0.5)
-    assert auditor.counts["passed"] == sent and auditor.counts["failed"] == 0, auditor.counts
-    assert auditor.counts["unauditable"] == 0 and auditor.counts["errors"] == 0, auditor.counts
-    skipped = real_subnet.validator.gateway.upstream.stats[1].skipped
-    assert not {"response_format", "tool_choice"} & set(skipped), skipped
+    await _all_audited_and_passed(real_subnet, sent=6)
 
 
 async def test_instructor_in_each_openai_mode_against_the_real_runtime_is_served_and_audited(
@@ -329,7 +344,6 @@ async def test_instructor_in_each_openai_mode_against_the_real_runtime_is_served
     from collections.abc import Iterable
 
     import instructor
-    import openai
     from instructor.core import InstructorError
     from pydantic import BaseModel
 
@@ -337,13 +351,11 @@ async def test_instructor_in_each_openai_mode_against_the_real_runtime_is_served
         name: str
         age: int
 
-    port, key = real_subnet.validator.gateway.port, real_subnet.api_key
     model = real_subnet.cfg.models[0]
     ask: Any = [{"role": "user", "content": "Jason is 25 years old."}]
     bound = [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA, instructor.Mode.JSON]  # TOOLS_STRICT, JSON_O1: aliases
     asked: list[tuple[Any, Any]] = [(instructor.Mode.MD_JSON, User), (instructor.Mode.PARALLEL_TOOLS, Iterable[User])]
-    async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0,
-                                  timeout=120) as raw:
+    async with _sdk_client(real_subnet) as raw:
         for mode in bound:
             client = instructor.from_openai(raw, mode=mode)
             user = await client.chat.completions.create(model=model, response_model=User, messages=ask,
@@ -359,13 +371,4 @@ async def test_instructor_in_each_openai_mode_against_the_real_runtime_is_served
                                                      max_retries=0, max_tokens=48, temperature=0)
             assert len(replies) == 1 and replies[0].choices[0].message.content, (mode, replies)
             served += 1
-    sent = len(bound) + served
-
-    auditor = real_subnet.validator.auditor
-    for _ in range(360):
-        if auditor.counts["passed"] + auditor.counts["failed"] + auditor.counts["unauditable"] >= sent:
-            break
-        await asyncio.sleep(0.5)
-    assert auditor.counts["passed"] == sent and auditor.counts["failed"] == 0, auditor.counts
-    assert auditor.counts["unauditable"] == 0 and auditor.counts["errors"] == 0, auditor.counts
-    assert not real_subnet.validator.gateway.upstream.stats[1].skipped
+    await _all_audited_and_passed(real_subnet, sent=len(bound) + served)

@@ -130,9 +130,10 @@ async def test_ttft_clock_starts_at_dispatch_not_headers(make_miner, make_gatewa
     [meas] = h.measurements()
     assert meas.ok and meas.completion_tokens == 20
     assert meas.ttft_s is not None and meas.ttft_s >= 0.3
-    assert meas.latency_s >= meas.ttft_s + 19 * 0.01 * 0.9
-    rate = 19 / (meas.latency_s - meas.ttft_s)
-    assert rate <= 19 / (19 * 0.01 * 0.9)
+    # the whole answer took the headers' delay and the 19 gaps after the first token, counted from dispatch. Not
+    # bounded from the first token: on a loaded machine the validator may read that token late and the next ones in
+    # one burst (beside two CPU hogs: 0.15 s after a first token read at 0.35 s)
+    assert meas.latency_s >= 0.3 + 19 * 0.01 * 0.9
 
 
 async def test_concurrent_requests_get_distinct_nonces(make_miner, make_gateway):
