@@ -374,6 +374,7 @@ async def test_burst_of_mixed_outcomes_balances_the_books(make_miner, make_gatew
     assert await eventually(lambda: all(m.active == 0 for m in miners), within_s=10)
     assert await eventually(lambda: len(h.measurements()) == h.upstream.dispatched, within_s=10)
     by_uid = Counter(x.uid for x in h.measurements())
+    unseen_live = 0
     for m in miners:  # every request a miner saw is exactly one measurement, and vice versa ...
         uid = h.uids[m.tag]
         # ... but for a client that gave up while its request was still on its way (beside two CPU hogs in CI: one of
@@ -381,7 +382,11 @@ async def test_burst_of_mixed_outcomes_balances_the_books(make_miner, make_gatew
         unseen = sum(1 for x in h.measurements() if x.uid == uid and x.failure == FailureReason.CLIENT_DISCONNECT
                      and x.ttft_s is None)
         assert m.requests <= by_uid[uid] <= m.requests + unseen, (m.tag, by_uid[uid], m.requests, unseen)
-    assert by_uid[h.uids["dead"]] == h.upstream.dispatched - sum(m.requests for m in miners)
+        unseen_live += unseen
+    # the dead miner's dispatches are the rest, less any a live miner never saw (beside two CPU hogs: 14 of 78, one
+    # request to a live miner unseen by it)
+    rest = h.upstream.dispatched - sum(m.requests for m in miners)
+    assert rest - unseen_live <= by_uid[h.uids["dead"]] <= rest, (by_uid[h.uids["dead"]], rest, unseen_live)
     assert sum(m.served for m in h.router.miners()) == sum(x.ok for x in h.measurements())
     assert statuses["200"] >= 1 and statuses["200"] + statuses["gave_up"] >= sum(x.ok for x in h.measurements())
     async with h.client.get(h.base_url + "/v1/status", headers=h.auth) as r:
