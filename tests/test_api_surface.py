@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from neurons.local_subnet import LocalSubnet
 from neurons.validator.config import ValidatorConfig
-from tests.subnets import running_subnet
+from tests.subnets import running_subnet, sdk_client
 
 FIRST, SECOND = "tensorgate/sim-5090", "org/second-model"
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -36,13 +36,8 @@ async def subnet(tmp_path: Path) -> AsyncIterator[LocalSubnet]:
         yield net
 
 
-def client_of(net: LocalSubnet) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{net.validator.gateway.port}/v1", api_key=net.api_key,
-                              max_retries=0, timeout=30)
-
-
 async def test_models_route_to_the_miners_that_declare_them(subnet: LocalSubnet) -> None:
-    async with client_of(subnet) as client:
+    async with sdk_client(subnet) as client:
         assert [m.id for m in (await client.models.list()).data] == [FIRST, SECOND]
         for model, uid in ((FIRST, "1"), (SECOND, "2"), (FIRST, "1"), (SECOND, "2")):
             raw = await client.chat.completions.with_raw_response.create(model=model, messages=ASK, max_tokens=4)
@@ -58,7 +53,7 @@ async def test_models_route_to_the_miners_that_declare_them(subnet: LocalSubnet)
 
 
 async def test_tool_calls_json_mode_logprobs_n_and_completions(subnet: LocalSubnet) -> None:
-    async with client_of(subnet) as client:
+    async with sdk_client(subnet) as client:
         # tool call, whole: the message carries the call, finish_reason says so
         done = await client.chat.completions.create(model=FIRST, messages=ASK, tools=[WEATHER], max_tokens=16)
         call: Any = done.choices[0].message.tool_calls[0]  # type: ignore[index]

@@ -46,10 +46,8 @@ async def _query(session: aiohttp.ClientSession, base: str, expr: str) -> list[A
 
 
 async def test_a_real_prometheus_scrapes_the_validator_and_every_dashboard_query_returns_data(tmp_path: Path) -> None:
-    import openai
-
     from neurons.validator.config import ValidatorConfig
-    from tests.subnets import running_subnet
+    from tests.subnets import running_subnet, sdk_client
 
     cfg = ValidatorConfig(local=True, state_dir=tmp_path / "state", gateway_port=0, local_round_s=3.0,
                           local_block_time=0.25, local_miners=2, capacity_check=False, audit_rate=1.0, seed=9)
@@ -67,8 +65,7 @@ async def test_a_real_prometheus_scrapes_the_validator_and_every_dashboard_query
         exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel["targets"]]
         empty: list[str] = exprs
         try:
-            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=net.api_key, max_retries=0,
-                                          timeout=30) as client, aiohttp.ClientSession() as session:
+            async with sdk_client(net) as client, aiohttp.ClientSession() as session:
                 for i in range(120):  # about a minute at most: traffic every tick until every panel has data
                     if i == 10:  # a miner goes away: the failures panel has something to show (the relay retries)
                         await net.runners[-1].cleanup()

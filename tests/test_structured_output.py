@@ -18,7 +18,7 @@ import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,9 +41,7 @@ from neurons.model.grammar import MASKED, constrained, gbnf  # noqa: E402
 from neurons.model.packaged import model_path  # noqa: E402
 from neurons.reference.llama import replay  # noqa: E402
 from tests import test_real_model as _real  # noqa: E402
-
-if TYPE_CHECKING:
-    import openai
+from tests.subnets import base_url, sdk_client  # noqa: E402
 
 engine, reference = _real.engine, _real.reference  # the fixtures: the miner's context, the reference's
 
@@ -254,17 +252,6 @@ async def real_subnet(tmp_path: Path) -> AsyncIterator[Any]:
         yield net
 
 
-def _base_url(net: Any) -> str:
-    return f"http://127.0.0.1:{net.validator.gateway.port}/v1"
-
-
-def _sdk_client(net: Any) -> openai.AsyncOpenAI:
-    """The official SDK's async client for the local subnet: no retries (a failure shows), a CPU's patience."""
-    import openai
-
-    return openai.AsyncOpenAI(base_url=_base_url(net), api_key=net.api_key, max_retries=0, timeout=120)
-
-
 async def _all_audited_and_passed(net: Any, *, sent: int) -> None:
     """Every one of the ``sent`` answers audited (rate 1.0) and passed, none unauditable, none skipped by a rule
     (``response_format``, ``tool_choice``: what a shaped answer was counted as before the subnet's grammar)."""
@@ -296,7 +283,7 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
 
     model = real_subnet.cfg.models[0]
     ask: Any = [{"role": "user", "content": "Name a city in France."}]
-    async with _sdk_client(real_subnet) as client:
+    async with sdk_client(real_subnet, timeout=120) as client:
         parsed = await client.chat.completions.parse(model=model, messages=ask,
                                                      response_format=City, max_tokens=64, temperature=0)
         city = parsed.choices[0].message.parsed
@@ -322,7 +309,7 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
         """The weather in a city."""
         return f"sunny in {city}"
 
-    llm = ChatOpenAI(model=model, base_url=_base_url(real_subnet), api_key=real_subnet.api_key,
+    llm = ChatOpenAI(model=model, base_url=base_url(real_subnet), api_key=real_subnet.api_key,
                      max_retries=0, timeout=120, max_completion_tokens=64, temperature=0)
     reply = await llm.bind_tools([get_weather], tool_choice="get_weather").ainvoke("What is the weather in Paris?")
     assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
@@ -355,7 +342,7 @@ async def test_instructor_in_each_openai_mode_against_the_real_runtime_is_served
     ask: Any = [{"role": "user", "content": "Jason is 25 years old."}]
     bound = [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA, instructor.Mode.JSON]  # TOOLS_STRICT, JSON_O1: aliases
     asked: list[tuple[Any, Any]] = [(instructor.Mode.MD_JSON, User), (instructor.Mode.PARALLEL_TOOLS, Iterable[User])]
-    async with _sdk_client(real_subnet) as raw:
+    async with sdk_client(real_subnet, timeout=120) as raw:
         for mode in bound:
             client = instructor.from_openai(raw, mode=mode)
             user = await client.chat.completions.create(model=model, response_model=User, messages=ask,
