@@ -55,8 +55,7 @@ figures but not these. The targets use the pooled figures.
 Targets checked at 64 concurrent streams: gateway added TTFT <= 1 ms p50 and <= 5 ms p99; gateway added
 latency <= 1.5x nginx's; LiteLLM's added latency >= 5x the gateway's; CPU per relayed token <= 2.5x the bare
 relay's and <= 2.0x the metered relay's (issue 40's regression bar; over ``baseline`` it is shown). nginx and LiteLLM
-are measured
-over ``direct``; the gateway over ``signed`` when it was measured (its requests cost the miner a
+are measured over ``direct``; the gateway over ``signed`` when it was measured (its requests cost the miner a
 signature check that nginx's do not), and its figure over unsigned ``direct`` is printed beside it.
 Exit status is 0 unless the run broke (or ``--strict`` and a target missed).
 """
