@@ -130,6 +130,11 @@ class Row:
         n = len(self.result.ok)
         return None if self.cpu_s is None or n == 0 else self.cpu_s * 1000.0 / n
 
+    def cpu_us_per_token(self, tokens: int) -> float | None:
+        """CPU per relayed token, for answers of ``tokens`` tokens."""
+        ms = self.cpu_ms_per_req
+        return None if ms is None else 1000.0 * ms / tokens
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
@@ -358,7 +363,7 @@ def report(rows: list[Row], levels: list[int], tokens: int) -> tuple[list[tuple[
         body.append([r.path, r.concurrency, len(r.result.ok), r.result.errors, r.ttft(50), r.ttft(99),
                      a50 if r.path != "direct" else None, a99 if r.path != "direct" else None,
                      t50 if r.path != "direct" else None, r.result.rps, r.cpu_ms_per_req,
-                     None if r.cpu_ms_per_req is None else 1000.0 * r.cpu_ms_per_req / tokens,
+                     r.cpu_us_per_token(tokens),
                      None if r.peak_rss is None else r.peak_rss / 2**20])
     print("\n== per path and concurrency (ms; '+' = added over direct at the same concurrency) ==")
     print(table(headers, body))
@@ -523,8 +528,8 @@ def cpu_checks(by_path: dict[tuple[str, int], Row], tokens: int) -> list[tuple[s
         limit = "" if bound is None else f" <= {bound:g}x"
         out.append((f"gateway CPU per relayed token{limit} the {name}'s at {TARGET_C}" + (" (shown)" if bound is None
                     else ""), None if bound is None else ratio <= bound,
-                    f"{1000 * gw.cpu_ms_per_req / tokens:.1f} vs {1000 * other.cpu_ms_per_req / tokens:.1f} us a "
-                    f"token: {ratio:.2f}x ({tokens}-token answers)"))
+                    f"{gw.cpu_us_per_token(tokens):.1f} vs {other.cpu_us_per_token(tokens):.1f} us a token: "
+                    f"{ratio:.2f}x ({tokens}-token answers)"))
     return out
 
 
