@@ -220,3 +220,15 @@ def test_the_cpu_bar_is_issue_40s_regression_bar_side_by_side() -> None:
     assert dict((n, ok) for n, ok, _ in cpu_checks(rows, tokens=128))[
         f"gateway CPU per relayed token <= 2x the metered relay's at {TARGET_C}"] is False
     assert cpu_checks({("pyrelay", TARGET_C): row("pyrelay", 1.0)}, tokens=128) == []
+
+
+def test_routing_share_simulation_prints_each_miners_requests_against_its_scores() -> None:
+    """The router simulation (issue 38's pair) runs the product router and prints, per level of busy slots, each
+    miner's requests against an honest card's beside its scores' share; at the lightest level they agree."""
+    out = run_script("sim_routing_share.py", "--smoke", "--busy", "0.06,0.45", timeout=60)
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s*\d+%\s", line)]
+    assert [r[0] for r in rows] == ["6%", "45%"], out
+    cells = [[float(x.strip("()")) for x in r[1:]] for r in rows]
+    assert all(len(c) == 8 for c in cells), out  # four groups, (served, share) each
+    light = cells[0]
+    assert all(abs(light[i] - light[i + 1]) <= 0.1 for i in range(0, 8, 2)), out  # served follows the scores

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Whose requests least-in-flight hands to whom: the product router in an event simulation, no I/O.
+
+Pay follows work served, and the router decides the work. Scores say what each miner should get (credit times the
+measured cards); least-in-flight says who is free. This runs :class:`gateway.router.Router` exactly as wired (routing
+scores from :func:`scoring.capacity.cards`, slots backed by :func:`scoring.capacity.slot_share`) over a field of
+4-slot miners: honest cards read at one card, one card split into two hotkeys each read at 0.41 of a card (issue 38's
+pair), an honest half-speed card (read 0.4) and cards carrying other validators' load (read 0.6 and 0.7). Requests
+arrive at random (Poisson) and each holds its miner for the same time, at several levels of the field's slots busy;
+it prints each miner's requests against an honest card's, beside what its score alone would give it.
+
+What it showed (issue 38, 2026-12-07): at 6-15 % of the slots busy the pair gets its scores' share (0.82x an honest
+card's requests), but from 30 % on 1.26-1.57x: each hotkey of the split card is idle more often than an honest card,
+and exact least-in-flight hands the idle one the pick whatever its score. The adversarial soak runs at the light end.
+
+    .venv/bin/python scripts/sim_routing_share.py            # 20,000 requests a level, 2 seeds
+    .venv/bin/python scripts/sim_routing_share.py --smoke    # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gateway.router import Candidate, Lease, Router  # noqa: E402
+from scoring.capacity import cards, slot_share  # noqa: E402
+
+HONEST = 13  # honest 4-slot cards beside the miners under study
+READINGS = {"pair/0": 0.41, "pair/1": 0.41, "half-speed": 0.4, "loaded 0.6": 0.6, "loaded 0.7": 0.7}
+GROUPS = {"pair (2 hotkeys)": ("pair/0", "pair/1"), "half-speed": ("half-speed",),
+          "loaded 0.6": ("loaded 0.6",), "loaded 0.7": ("loaded 0.7",)}
+SLOTS = 4
+HOLD_S = 2.0  # every request holds its miner this long
+
+
+def simulate(busy: float, seed: int, requests: int) -> dict[str, float]:
+    """Requests served by each group over an honest card's mean, ``busy`` of all declared slots in use on average."""
+    readings = {**READINGS, **{f"honest{i}": 1.0 for i in range(HONEST)}}
+    names = list(readings)
+    router = Router(rng=random.Random(seed))
+    router.sync([Candidate(uid=i, hotkey=k, endpoint=k, slots=SLOTS) for i, k in enumerate(names)])
+    scores = {k: cards(v) for k, v in readings.items()}
+    router.set_scores(scores, {k: slot_share(score) for k, score in scores.items()})
+    arrivals = random.Random(seed + 1)
+    rate = busy * SLOTS * len(names) / HOLD_S
+    ends: list[tuple[float, int, Lease]] = []
+    served: Counter[str] = Counter()
+    t = 0.0
+    for i in range(requests):
+        t += arrivals.expovariate(rate)
+        while ends and ends[0][0] <= t:
+            router.release(heapq.heappop(ends)[2])
+        lease = router.acquire()
+        if lease is None:  # every slot full: the gateway would queue it; not a pick
+            continue
+        served[lease.miner.hotkey] += 1
+        heapq.heappush(ends, (t + HOLD_S, i, lease))
+    honest = sum(served[f"honest{i}"] for i in range(HONEST)) / HONEST
+    return {group: sum(served[k] for k in keys) / honest for group, keys in GROUPS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="2,000 requests a level, one seed")
+    p.add_argument("--requests", type=int, default=20_000, help="requests a level and seed")
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--busy", default="0.06,0.15,0.3,0.45,0.6,0.75,0.88", help="comma list: share of the slots busy")
+    a = p.parse_args(argv)
+    requests, seeds = (2_000, 1) if a.smoke else (a.requests, a.seeds)
+    levels = [float(x) for x in a.busy.split(",")]
+    fair = {group: sum(cards(READINGS[k]) for k in keys) for group, keys in GROUPS.items()}
+    print(f"{HONEST} honest {SLOTS}-slot cards + {', '.join(GROUPS)}; each request holds its miner {HOLD_S:g} s; "
+          f"{requests} requests a level, {seeds} seed(s)")
+    print("requests served against an honest card's (its scores' share in brackets)")
+    print(f"{'busy':>5}  " + "  ".join(f"{g:>22}" for g in GROUPS))
+    print(f"{'-----':>5}  " + "  ".join(f"{'-' * 22:>22}" for _ in GROUPS))
+    for busy in levels:
+        runs = [simulate(busy, seed, requests) for seed in range(1, seeds + 1)]
+        cells = [f"{sum(r[g] for r in runs) / len(runs):.2f} ({fair[g]:.2f})" for g in GROUPS]
+        print(f"{busy:5.0%}  " + "  ".join(f"{c:>22}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
