@@ -20,12 +20,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-import heapq
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_lib.router_sim import arrivals  # noqa: E402
 
 from gateway.router import Candidate, Lease, Router  # noqa: E402
 
@@ -39,24 +40,25 @@ def simulate(utilisation: float, prefer: bool, *, requests: int, slots: int, sam
     for m in r.miners():
         m.declares_sampler = m.uid != 2  # uid 2: the stock runtime
     rate = utilisation * 3 * slots  # arrivals per unit service time
-    now = 0.0
-    ends: list[tuple[float, int, Lease]] = []  # (end time, tiebreak, lease)
     served = {u: [0, 0] for u in range(3)}  # uid -> [greedy, sampled]
     dropped = 0
-    for i in range(requests):
-        now += rng.expovariate(rate)
-        while ends and ends[0][0] <= now:
-            r.release(heapq.heappop(ends)[2], served=True)
+    sampled = False
+
+    def acquire() -> Lease | None:
+        nonlocal sampled
         sampled = rng.random() < sampled_share
         if r.free_slots() == 0:
-            dropped += 1  # the gateway would queue it; the figure counts where served requests go
-            continue
-        lease: Lease | None = r.acquire(sampled=sampled and prefer)
+            return None  # the gateway would queue it; the figure counts where served requests go
+        lease = r.acquire(sampled=sampled and prefer)
         assert lease is not None
+        return lease
+
+    for lease in arrivals(r, rate=rate, requests=requests, rng=rng, acquire=acquire,
+                          hold=lambda: rng.expovariate(1.0)):
+        if lease is None:
+            dropped += 1
+            continue
         served[lease.miner.uid][int(sampled)] += 1
-        heapq.heappush(ends, (now + rng.expovariate(1.0), i, lease))
-    for _, _, lease in ends:
-        r.release(lease)
     sampled_total = sum(s for _, s in served.values()) or 1
     paid = {u: g + (s if u != 2 else 0) for u, (g, s) in served.items()}
     honest = (paid[0] + paid[1]) / 2 or 1

@@ -21,7 +21,6 @@ pair served 0.92-1.10x an honest card's requests in six runs).
 from __future__ import annotations
 
 import argparse
-import heapq
 import random
 import sys
 from collections import Counter
@@ -29,7 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.router import Candidate, Lease, Router  # noqa: E402
+from bench_lib.router_sim import arrivals  # noqa: E402
+
+from gateway.router import Candidate, Router  # noqa: E402
 from scoring.capacity import cards, slot_share  # noqa: E402
 
 HONEST = 13  # honest 4-slot cards beside the miners under study
@@ -48,20 +49,11 @@ def simulate(busy: float, seed: int, requests: int) -> dict[str, float]:
     router.sync([Candidate(uid=i, hotkey=k, endpoint=k, slots=SLOTS) for i, k in enumerate(names)])
     scores = {k: cards(v) for k, v in readings.items()}
     router.set_scores(scores, {k: slot_share(score) for k, score in scores.items()})
-    arrivals = random.Random(seed + 1)
-    rate = busy * SLOTS * len(names) / HOLD_S
-    ends: list[tuple[float, int, Lease]] = []
     served: Counter[str] = Counter()
-    t = 0.0
-    for i in range(requests):
-        t += arrivals.expovariate(rate)
-        while ends and ends[0][0] <= t:
-            router.release(heapq.heappop(ends)[2])
-        lease = router.acquire()
-        if lease is None:  # every slot full: the gateway would queue it; not a pick
-            continue
-        served[lease.miner.hotkey] += 1
-        heapq.heappush(ends, (t + HOLD_S, i, lease))
+    for lease in arrivals(router, rate=busy * SLOTS * len(names) / HOLD_S, requests=requests,
+                          rng=random.Random(seed + 1), acquire=router.acquire, hold=lambda: HOLD_S):
+        if lease is not None:  # None: every slot full, the gateway would queue it; not a pick
+            served[lease.miner.hotkey] += 1
     honest = sum(served[f"honest{i}"] for i in range(HONEST)) / HONEST
     return {group: sum(served[k] for k in keys) / honest for group, keys in GROUPS.items()}
 
