@@ -32,6 +32,9 @@ Two refinements, both measured by ``scripts/soak.py``:
   its measured card backs (at most 1, :attr:`MinerState.share`, from :func:`scoring.capacity.slot_share`). Declared
   slots are the miner's word: one card as two hotkeys of 4 slots each was found free where an honest card of 4 was
   not, and got 1.15x its requests (issue 38; its two hotkeys each measured at 0.4 of a card).
+* *Load in halves* of the slots a card backs (:attr:`MinerState.load`, issue 38): with exact counts an idle miner won
+  every pick over one serving a stream, whatever their scores, and one card as two hotkeys (each idle more often)
+  took 1.26-1.57x an honest card's requests. Within a half the weighted draw decides: the scores set the shares.
 * *Quarantine is out.* A miner whose answers failed their audits (:meth:`Router.set_quarantined`)
   is never picked for organic traffic, not even as a last resort: a user must not get an answer
   the validator knows to be wrong. Probes still reach it (:meth:`Router.acquire_uid`).

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from loguru import logger
 
 from gateway.protocol.measurement import Measurement
-from scoring.capacity import CapacityBook, capacity_ratio, slot_share
+from scoring.capacity import CapacityBook, capacity_ratio, slot_share, validator_lag
 from scoring.credit import CreditConfig
 from scoring.pay import PayWindow, RoundPay, round_value
 from scoring.rounds import RoundAccumulator
@@ -233,9 +233,7 @@ class Scorer:
         settled_values = self.values.settled()
         for hk, played in acc.miners.items():
             self._uids[hk] = played.uid
-            ratio = capacity_ratio(played.capacity_rates, played.capacity_concurrency, self.config)
-            if ratio is not None:
-                self.capacity.push(hk, ratio)
+        self._read_capacity(acc)
         self.capacity.forget(set(settled))
         measured = {hk: row.score for hk, row in acc.miners.items() if row.measured}
         self._routing = {hk: s for hk, s in settled.items() if hk not in measured}
@@ -266,6 +264,19 @@ class Scorer:
         report = RoundReport(self._next_index, ended_at, rows, dropped, saved)
         self._next_index += 1
         return report
+
+    def _read_capacity(self, acc: RoundAccumulator) -> None:
+        """Push the round's capacity check, each reading against the check's best card (:func:`scoring.capacity.
+        validator_lag`): all of them slow at once is the validator's lag, not the miners'."""
+        readings = {hk: ratio for hk, played in acc.miners.items()
+                    if (ratio := capacity_ratio(played.capacity_rates, played.capacity_concurrency, self.config))
+                    is not None}
+        lag = validator_lag(list(readings.values()))
+        if lag < 1.0:
+            logger.info("capacity check: its best card read {:.2f} of a card, every reading lifted by {:.2f} (the "
+                        "validator read the cards late)", max(readings.values()), 1.0 / lag)
+        for hk, ratio in readings.items():
+            self.capacity.push(hk, ratio / lag)
 
     # -- outputs ---------------------------------------------------------------------------------
 

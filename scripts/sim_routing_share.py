@@ -12,7 +12,8 @@ it prints each miner's requests against an honest card's, beside what its score 
 What it showed (issue 38, 2026-12-07): at 6-15 % of the slots busy the pair gets its scores' share (0.82x an honest
 card's requests), but from 30 % on 1.26-1.57x: each hotkey of the split card is idle more often than an honest card,
 and exact least-in-flight hands the idle one the pick whatever its score. The adversarial soak sits between (its
-pair served 0.92-1.10x an honest card's requests in six runs).
+pair served 0.92-1.10x an honest card's requests in six runs). With loads counted in halves of the backed slots and
+slots backed at the multiplier (the router since), every miner gets its scores' share at every level, the pair 0.82x.
 
     .venv/bin/python scripts/sim_routing_share.py            # 20,000 requests a level, 2 seeds
     .venv/bin/python scripts/sim_routing_share.py --smoke    # seconds

@@ -224,11 +224,12 @@ def test_the_cpu_bar_is_issue_40s_regression_bar_side_by_side() -> None:
 
 def test_routing_share_simulation_prints_each_miners_requests_against_its_scores() -> None:
     """The router simulation (issue 38's pair) runs the product router and prints, per level of busy slots, each
-    miner's requests against an honest card's beside its scores' share; at the lightest level they agree."""
+    miner's requests against an honest card's beside its scores' share. They agree at every level: with exact
+    least-in-flight the pair, scored 0.82 of a card, got 1.56x an honest card's requests at 45 % busy."""
     out = run_script("sim_routing_share.py", "--smoke", "--busy", "0.06,0.45", timeout=60)
     rows = [line.split() for line in out.splitlines() if re.match(r"^\s*\d+%\s", line)]
     assert [r[0] for r in rows] == ["6%", "45%"], out
     cells = [[float(x.strip("()")) for x in r[1:]] for r in rows]
     assert all(len(c) == 8 for c in cells), out  # four groups, (served, share) each
-    light = cells[0]
-    assert all(abs(light[i] - light[i + 1]) <= 0.1 for i in range(0, 8, 2)), out  # served follows the scores
+    for level in cells:  # served follows the scores, at light and heavier traffic
+        assert all(abs(level[i] - level[i + 1]) <= 0.1 for i in range(0, 8, 2)), out
