@@ -28,13 +28,10 @@ Two refinements, both measured by ``scripts/soak.py``:
   only when none is free does it go to any miner. A stock runtime (SGLang, llama-server, vLLM without the plugin)
   answers it with its own RNG: a free draw no audit can check token by token, so its tokens are not paid and the
   user's answer is unverified. Greedy requests, which every runtime serves verifiably, go anywhere.
-* *Slots a card backs.* Least-in-flight divides a miner's streams by the slots it declares, times the share of them
-  its measured card backs (at most 1, :attr:`MinerState.share`, from :func:`scoring.capacity.slot_share`). Declared
-  slots are the miner's word: one card as two hotkeys of 4 slots each was found free where an honest card of 4 was
-  not, and got 1.15x its requests (issue 38; its two hotkeys each measured at 0.4 of a card).
-* *Load in halves* of the slots a card backs (:attr:`MinerState.load`, issue 38): with exact counts an idle miner won
-  every pick over one serving a stream, whatever their scores, and one card as two hotkeys (each idle more often)
-  took 1.26-1.57x an honest card's requests. Within a half the weighted draw decides: the scores set the shares.
+* *Slots a card backs, loads in halves.* Least-in-flight divides a miner's streams by the slots it declares times the
+  share its measured card backs (:attr:`MinerState.share`, :func:`scoring.capacity.slot_share`), in halves
+  (:attr:`MinerState.load`; issue 38: declared at their word, and counted exactly, one card as two hotkeys took
+  1.15-1.57x an honest card's requests). Within a half the weighted draw decides: the scores set the shares.
 * *Quarantine is out.* A miner whose answers failed their audits (:meth:`Router.set_quarantined`)
   is never picked for organic traffic, not even as a last resort: a user must not get an answer
   the validator knows to be wrong. Probes still reach it (:meth:`Router.acquire_uid`).
@@ -278,7 +275,7 @@ class Router:
         m = self.pick(exclude, model, needs, free_sampler=True) if sampled and self._mixed_samplers() else None
         if m is None:
             m = self.pick(exclude, model, needs)
-        return None if m is None else self.acquire_uid(m.uid, work=work)
+        return None if m is None else self.acquire_uid(m.uid, work=work, routed=True)
 
     def _mixed_samplers(self) -> bool:
         """Whether some miners declare the sampler and some do not (else the preference changes nothing, and the
@@ -306,9 +303,10 @@ class Router:
         if self.on_room is not None:
             self.on_room()
 
-    def acquire_uid(self, uid: int, work: float | None = None) -> Lease | None:
-        """Count one request in flight on a specific miner (probes), so organic routing sees it too; ``work`` as
-        in :meth:`acquire` (None: a typical request's)."""
+    def acquire_uid(self, uid: int, work: float | None = None, *, routed: bool = False) -> Lease | None:
+        """Count one request in flight on a specific miner (probes), so organic routing sees it too. Only ``routed``
+        picks (:meth:`acquire`'s) advance the less-served pass, by ``work`` (None: a typical request's): a probe is
+        not paid, and a capacity check's 130 streams at once had levelled every pass at HORIZON twice a round."""
         m = self._miners.get(uid)
         if m is None:
             return None
@@ -316,9 +314,10 @@ class Router:
                       on_deliver=self.on_deliver)
         self._unbucket(m)
         m.in_flight += 1
-        stride = self._stride(work)
-        m.passes = self._pass(m) + stride / (self._weight(m) or self._prior or 1.0)
-        self._vt += stride / self._wsum
+        if routed:
+            stride = self._stride(work)
+            m.passes = self._pass(m) + stride / (self._weight(m) or self._prior or 1.0)
+            self._vt += stride / self._wsum
         self._bucket_in(m)
         return lease
 
