@@ -44,6 +44,11 @@ Issue 38's:
   the check's common deadline (:func:`scoring.rounds.rate_by_deadline`) the held streams deliver their first token.
   The held streams are not on the simulated card while they wait (a real runtime would not schedule them either).
 
+* ``stall-but-one``: the same, but one of this hotkey's check streams at a time runs on the card beside the
+  sibling's (the others stall after their first token, as ``stall-second``'s). The sibling then reads 3 streams of
+  a card holding 4, about 0.75, which the one-card band reads as one card, and this hotkey about 0.25: 1.25 cards for
+  one by arithmetic, where serving both at once reads 0.41 + 0.41 (2026-12-07, the band's price; not yet answered).
+
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
 
@@ -71,7 +76,7 @@ from neurons.model.toy import MODEL as TOY
 from .load import CardRuntime
 
 CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer", "hold-check", "hold-check-429",
-          "slot-liar", "burst", "cycler", "too-long-when-busy", "check-second", "stall-second")
+          "slot-liar", "burst", "cycler", "too-long-when-busy", "check-second", "stall-second", "stall-but-one")
 PROBE_MARK = "\u2063"  # an invisible separator before a probe's prompt: the oracle (ProbeOracle)
 CHECK_MARK = PROBE_MARK * 2  # ... two before a capacity-check stream's
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
@@ -95,6 +100,7 @@ class CheatRuntime:
         self.sampler = card.sampler  # a cheat declares the subnet's sampler: its answers are paid if they pass
         self.refused = 0
         self._stalled = 0  # stall-second: check streams holding their decode until the card is idle
+        self._checking = 0  # stall-but-one: check streams running on the card now
 
     @property
     def active(self) -> int:
@@ -148,6 +154,20 @@ class CheatRuntime:
             if self.is_check(payload):
                 async for part in self._stalled_answer(payload):
                     yield part
+                return
+        elif cheat == "stall-but-one":
+            if self.is_check(payload):
+                if self._checking:
+                    async for part in self._stalled_answer(payload):
+                        yield part
+                    return
+                self._checking += 1
+                try:
+                    async with contextlib.aclosing(self.card.stream(payload)) as frames:
+                        async for chunk in frames:
+                            yield chunk
+                finally:
+                    self._checking -= 1
                 return
         elif cheat == "cycler":
             if not self.is_probe(payload):  # junk for users: another prompt's answer, at the card's own speed

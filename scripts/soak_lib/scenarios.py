@@ -61,6 +61,7 @@ CHEATERS: dict[str, bool] = {
     "split-2": False,  # one card as 2 hotkeys of 4 slots (each measured at ~0.5: the reading's ramp starts there)
     "split-serial": False,  # the same, one of them starting its check streams only once the card is idle
     "split-stall": False,  # the same, one of them sending its check streams' first tokens at once, the rest later
+    "split-uneven": False,  # the same, one of them running one check stream beside its sibling's, stalling the rest
 }
 HALF_SPEED = CardProfile(name="rtx5090-half", single_tok_s=220.0, aggregate_tok_s=150.0, chunks_per_token=2)
 HALF_IDS = CardProfile(name="rtx5090-half-ids", single_tok_s=220.0, aggregate_tok_s=150.0)  # honest, just slow
@@ -200,6 +201,8 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
                CardSpec("split-serial/1", FAST, cheat="check-second", card="split-serial"),
                CardSpec("split-stall/0", FAST, card="split-stall"),
                CardSpec("split-stall/1", FAST, cheat="stall-second", card="split-stall"),
+               CardSpec("split-uneven/0", FAST, card="split-uneven"),
+               CardSpec("split-uneven/1", FAST, cheat="stall-but-one", card="split-uneven"),
                CardSpec("half-burst", HALF_IDS, cheat="burst"),
                CardSpec("half-honest", HALF_IDS),
                CardSpec("cycler", FAST, cheat="cycler")),
