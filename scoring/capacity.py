@@ -17,21 +17,22 @@ one hotkey ~2, each of four hotkeys sharing one card ~0.25.
 
 Routing credit is multiplied by the hotkey's **median** ratio over the settlement window (issue 23: the
 best of the window let one lucky or gamed check stand for twelve rounds), read by :func:`cards`: exactly 1
-between :data:`ONE_CARD` ``(0.7, 1.25)``, where an honest card's checks fall (measured rates are noisy: the
+between :data:`ONE_CARD` ``(0.75, 1.25)``, where an honest card's checks fall (measured rates are noisy: the
 local subnet on 2 cores measured honest cards between ~0.7 and ~1.3 when 16 streams start at once, and an
 honest card must route at exactly 1, not at the luck of its checks); as it is at or under 0.5 and from 2 cards
 on; linear between. It is continuous (issue 38: a threshold at 0.6 read a card carrying other validators'
 load at 0.57-0.59 as 0.57 and one reading 0.61 as a whole card, and a cheat that moved its reading over the
-threshold doubled its routing). The price of a continuous reading: a hotkey whose median lands in the lower ramp
-reads up to 2.5 times as steep as measured there (two hotkeys on one card each measured at 0.55 route at 0.63),
-the same noise an honest card's reading has.
+threshold doubled its routing). The price of a continuous reading: a hotkey whose median lands in a ramp reads
+up to twice as steep as measured there (two hotkeys on one card each measured at 0.55 route at 0.6), the same
+noise an honest card's reading has.
 
-Where the band starts is a trade (issue 38, adversarial soak, 2026-12-07). A card carrying other validators' load
-(0.6 requests/s of them) reads 0.47-0.77 a check, a median of 0.66; from 0.75 it routed at 0.82 and, with
-least-in-flight following scores, weighed 0.78x an unloaded card (the issue asks 0.85x). One card split unevenly
-(``split-uneven``: one hotkey runs one check stream beside its sibling's three, the rest stalled) reads 0.62 + 0.16:
-from 0.65 it routed as 1.05 cards and weighed 1.01-1.11x an honest card (the bound is 1.05x). From 0.7 the loaded
-card routes at 0.9 and the uneven pair at 0.94.
+Where the band starts is a trade, and no start passes both sides (issue 38, adversarial soak, 2026-12-07, least-in-
+flight in halves). A card carrying other validators' load (0.6 requests/s of them) reads 0.47-0.77 a check, a
+median of 0.66, and weighed 0.78 / 0.83x an unloaded card from 0.75 (the issue asks 0.85x), 1.00 / 0.83x from 0.7.
+One card split unevenly (the soak's ``split-uneven``: one hotkey runs one check stream beside its sibling's three
+and stalls the rest) reads 0.62-0.65 + 0.17, as the loaded card does plus a sliver, and weighed 0.93 / 0.96x from
+0.75, 1.11 / 1.03x from 0.7 and up to 1.11x from 0.65 (the bound is 1.05x). A band wide enough to cover the loaded
+card pays the split more than one card's; the band stays at 0.75, where no cheat pays.
 
 A check stream the miner refused (a 429 for "busy", a 400, any failure that is its own) delivered nothing and
 counts 0 (issue 38: four 1-slot hotkeys on one card refused their siblings' check streams, so each was read
@@ -72,7 +73,7 @@ DECODE_OVER_BAND = 5.0  # a check stream's decode lasts at least this many TTFT 
 CHECK_TOKENS_FLOOR = 64  # ... and asks for at least this many tokens where the mix has answers that long
 MAX_RATIO = 16.0  # no single endpoint is credited with more than 16 cards, whatever it delivers
 SHARE_UP_TO = 0.5  # a median ratio at or under this is a share of a card, taken as it is (two hotkeys on one: 0.5)
-ONE_CARD = (0.7, 1.25)  # a median ratio in this band is one card, exactly
+ONE_CARD = (0.75, 1.25)  # a median ratio in this band is one card, exactly
 WHOLE_FROM = 2.0  # from here on a ratio is taken as it is (two cards behind one hotkey: 2)
 UNMEASURED = 0.5  # the routing multiplier of a hotkey no capacity check has measured yet
 LAG_COMPARED = 3  # the fewest hotkeys in one capacity check that are read against each other (validator_lag)

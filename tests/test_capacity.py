@@ -64,11 +64,10 @@ def test_card_reading_has_no_cliff() -> None:
     """Issue 38: a threshold at 0.6 read 0.59 as 0.59 and 0.61 as a whole card; the reading is continuous now."""
     grid = [i / 1000 for i in range(1, 4000)]
     steps = [cards(b) - cards(a) for a, b in zip(grid, grid[1:], strict=False)]
-    assert all(0.0 <= d <= 0.0026 for d in steps), max(steps)  # non-decreasing, slope at most 2.5: no jump
-    assert cards(0.61) - cards(0.59) < 0.06  # where the threshold was: 0.05, not 0.41
-    assert cards(0.57) == pytest.approx(0.675)  # a card carrying others' load, read 0.57, is not cut to 0.57
-    assert cards(0.66) == pytest.approx(0.9)  # ... at the soak's 0.6 requests/s of it (a median of 0.66): 0.9
-    assert cards(0.62) + cards(0.16) < 1.0  # one card split unevenly as the soak's split-uneven reads: under one
+    assert all(0.0 <= d <= 0.0021 for d in steps), max(steps)  # non-decreasing, slope at most 2: no jump
+    assert cards(0.61) - cards(0.59) < 0.05  # where the threshold was: 0.04, not 0.41
+    assert cards(0.57) == pytest.approx(0.64)  # a card carrying others' load, read 0.57, is not cut to 0.57
+    assert cards(0.65) + cards(0.17) < 1.0  # one card split unevenly, as the soak's split-uneven reads: under one
     lo, hi = ONE_CARD
     assert cards(lo) == cards(1.0) == cards(hi) == 1.0
     assert cards(0.25) == 0.25 and cards(2.0) == 2.0 and cards(3.1) == 3.1
