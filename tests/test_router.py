@@ -513,4 +513,4 @@ def test_probes_do_not_move_the_less_served_draw() -> None:
         picks[lease.miner.hotkey] += 1
         r.release(lease)
     counts = [picks[c.hotkey] for c in honest]
-    assert max(counts) - min(counts) <= 3, counts  # balanced by the draw, not Poisson (sd ~ 13 at ~200 each)
+    assert max(counts) - min(counts) <= 3, counts  # balanced by the draw, not Poisson (sd ~ 18 at ~330 each)

@@ -46,8 +46,9 @@ Issue 38's:
 
 * ``stall-but-one``: the same, but one of this hotkey's check streams at a time runs on the card beside the
   sibling's (the others stall after their first token, as ``stall-second``'s). The sibling then reads 3 streams of
-  a card holding 4, about 0.75, which the one-card band reads as one card, and this hotkey about 0.25: 1.25 cards for
-  one by arithmetic, where serving both at once reads 0.41 + 0.41 (2026-12-07, the band's price; not yet answered).
+  a card holding 4, as a card carrying other validators' load does, and this hotkey a sliver: measured 0.62-0.65 and
+  0.17 (2026-12-07). With the one-card band from 0.65 or 0.7 the group weighed up to 1.11x an honest card; from
+  0.75, 0.68-0.96x (:mod:`scoring.capacity`: the band's trade).
 
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
