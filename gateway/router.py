@@ -275,7 +275,13 @@ class Router:
         m = self.pick(exclude, model, needs, free_sampler=True) if sampled and self._mixed_samplers() else None
         if m is None:
             m = self.pick(exclude, model, needs)
-        return None if m is None else self.acquire_uid(m.uid, work=work, routed=True)
+        if m is None:
+            return None
+        lease = self.acquire_uid(m.uid)
+        stride = self._stride(work)  # only the draw's own picks move the less-served pass
+        m.passes = self._pass(m) + stride / (self._weight(m) or self._prior or 1.0)
+        self._vt += stride / self._wsum
+        return lease
 
     def _mixed_samplers(self) -> bool:
         """Whether some miners declare the sampler and some do not (else the preference changes nothing, and the
@@ -303,10 +309,10 @@ class Router:
         if self.on_room is not None:
             self.on_room()
 
-    def acquire_uid(self, uid: int, work: float | None = None, *, routed: bool = False) -> Lease | None:
-        """Count one request in flight on a specific miner (probes), so organic routing sees it too. Only ``routed``
-        picks (:meth:`acquire`'s) advance the less-served pass, by ``work`` (None: a typical request's): a probe is
-        not paid, and a capacity check's 130 streams at once had levelled every pass at HORIZON twice a round."""
+    def acquire_uid(self, uid: int) -> Lease | None:
+        """Count one request in flight on a specific miner (probes), so organic routing sees it too. It does not move
+        the less-served pass (:meth:`acquire` does): a probe is not paid, and a capacity check's 130 streams at once
+        had levelled every pass at HORIZON twice a round (issue 38)."""
         m = self._miners.get(uid)
         if m is None:
             return None
@@ -314,10 +320,6 @@ class Router:
                       on_deliver=self.on_deliver)
         self._unbucket(m)
         m.in_flight += 1
-        if routed:
-            stride = self._stride(work)
-            m.passes = self._pass(m) + stride / (self._weight(m) or self._prior or 1.0)
-            self._vt += stride / self._wsum
         self._bucket_in(m)
         return lease
 
