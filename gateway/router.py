@@ -29,7 +29,7 @@ Two refinements, both measured by ``scripts/soak.py``:
   answers it with its own RNG: a free draw no audit can check token by token, so its tokens are not paid and the
   user's answer is unverified. Greedy requests, which every runtime serves verifiably, go anywhere.
 * *Slots a card backs, loads in halves.* Least-in-flight divides a miner's streams by the slots it declares times the
-  share its measured card backs (:attr:`MinerState.share`, :func:`scoring.capacity.slot_share`), in halves
+  share its measured card backs (:attr:`MinerState.share`, :func:`scoring.capacity.card_share`), in halves
   (:attr:`MinerState.load`; issue 38: declared at their word, and counted exactly, one card as two hotkeys took
   1.15-1.57x an honest card's requests). Within a half the weighted draw decides: the scores set the shares.
 * *Quarantine is out.* A miner whose answers failed their audits (:meth:`Router.set_quarantined`)

@@ -132,14 +132,18 @@ def cards(ratio: float) -> float:
     return 1.0 + (ratio - hi) * (WHOLE_FROM - 1.0) / (WHOLE_FROM - hi)
 
 
-def slot_share(multiplier: float) -> float:
-    """How much of its declared slots a hotkey's card backs, for least-in-flight (:attr:`gateway.router.MinerState.
-    share`): all of them from one card on, the routing multiplier's share of them below it, so a hotkey's slots and
-    its score say the same. One card as two hotkeys, each read at 0.41 of a card, backs 0.41 of each one's 4 slots:
-    3.3 streams for the pair where an honest card holds 4 (issue 38: at 0.55 of them each, the share before
-    2026-12-07, it held 4.4 and, with least-in-flight's exact counts, took 1.26-1.57x an honest card's requests from
-    30 % of the slots busy on, ``scripts/sim_routing_share.py``; counting loads in halves and slots at the
-    multiplier, 0.82x, its scores' share, at every load from 6 to 88 %)."""
+def card_share(multiplier: float) -> float:
+    """How much of one card a hotkey's card is, from its routing multiplier: 1 from one card on, the multiplier below
+    it. Two rules read it, so that a hotkey's slots, its score and its pay say the same:
+
+    * least-in-flight counts a hotkey's declared slots only this far (:attr:`gateway.router.MinerState.share`). One
+      card as two hotkeys, each read at 0.41 of a card, backs 0.41 of each one's 4 slots: 3.3 streams for the pair
+      where an honest card holds 4 (issue 38: at 0.55 of them each, the share before 2026-12-07, it held 4.4 and,
+      with least-in-flight's exact counts, took 1.26-1.57x an honest card's requests from 30 % of the slots busy on,
+      ``scripts/sim_routing_share.py``; counting loads in halves and slots at the multiplier, 0.82x, its scores'
+      share, at every load from 6 to 88 %);
+    * the rounds a hotkey was routed in before its first check are paid this far (:class:`scoring.pay.PayWindow`).
+    """
     if not math.isfinite(multiplier) or multiplier <= 0:
         return 0.0
     return min(1.0, multiplier)
@@ -154,6 +158,14 @@ class CapacityBook:
 
     def push(self, hotkey: str, ratio: float) -> None:
         self._ratios.setdefault(hotkey, deque(maxlen=self.window)).append(ratio)
+
+    def measured(self, hotkey: str) -> bool:
+        """Whether any capacity check in the window has read ``hotkey``."""
+        return bool(self._ratios.get(hotkey))
+
+    def card_shares(self) -> dict[str, float]:
+        """:func:`card_share` of each measured hotkey's multiplier (what its unmeasured rounds are paid at)."""
+        return {hk: card_share(self.multiplier(hk)) for hk, ratios in self._ratios.items() if ratios}
 
     def multiplier(self, hotkey: str) -> float:
         """The median recent ratio read by :func:`cards`; :data:`UNMEASURED` when not checked yet."""

@@ -54,7 +54,15 @@ validator audits, a round's value comes in two parts: **verified** (answers an a
   run. A cheater that keeps to one failure a window serves junk on about one audited answer in a
   window's worth, and loses a round of pay for it;
 * a window in which the hotkey was **quarantined** at any round's close settles at 0, verified work
-  included: cycling in and out of quarantine costs the window, not only the rounds inside it.
+  included: cycling in and out of quarantine costs the window, not only the rounds inside it;
+* a round the hotkey was routed in before any capacity check had measured it (``unmeasured``, where the validator
+  runs the checks) is paid at its measured card share, ``min(1, routing multiplier)``
+  (:func:`scoring.capacity.card_share`), and held at 0 until a check measures it. Until then the router sends it half
+  a card's traffic (:data:`scoring.capacity.UNMEASURED`), so one card as four new hotkeys was sent two cards' traffic,
+  and, where every hotkey was new at once (a new validator, the soak), four times an honest card's: in the soak's
+  8-round smoke (seed 1) the group served 35 of its 81 requests in those first two rounds and weighed 0.87x an honest
+  card here, 1.08x in one CI run (issue 38); paid at its share, 0.73x (0.66x beside two CPU hogs). An honest card's
+  share is 1 and it loses nothing.
 
 Example::
 
@@ -130,6 +138,7 @@ class RoundPay:
     passed: int = 0  # audits of organic answers passed this round
     failed: int = 0  # audits failed this round
     quarantined: bool = False  # quarantined at the round's close
+    unmeasured: bool = False  # routed before any capacity check measured the hotkey: paid at its card share
 
     @property
     def total(self) -> float:
@@ -152,20 +161,24 @@ class PayWindow:
     def push(self, pays: Mapping[str, RoundPay]) -> None:
         """Append one closed round (NaN, inf and negative values count 0); the oldest falls out."""
         self._rounds.append({hk: RoundPay(_finite(p.verified), _finite(p.unverified), max(0, int(p.passed)),
-                                          max(0, int(p.failed)), bool(p.quarantined)) for hk, p in pays.items()})
+                                          max(0, int(p.failed)), bool(p.quarantined), bool(p.unmeasured))
+                             for hk, p in pays.items()})
 
-    def settled(self) -> dict[str, float]:
+    def settled(self, card_shares: Mapping[str, float] | None = None) -> dict[str, float]:
         """Settled value per hotkey in the window: verified pay, plus the unverified pay of rounds without a failed
         audit once an audit of an organic answer in the window passed, unless :data:`FORFEIT_WINDOW_AT` audits
-        in it failed; 0 for a hotkey quarantined at any round's close in the window."""
+        in it failed; 0 for a hotkey quarantined at any round's close in the window. An ``unmeasured`` round counts
+        at the hotkey's share in ``card_shares`` (in [0, 1]), 0 where it has none yet."""
         if not self._rounds:
             return {}
+        shares = card_shares or {}
         totals: dict[str, list[float]] = {}  # verified, unverified of rounds without a failure, passed, failed, q.
         for r in self._rounds:
             for hk, p in r.items():
                 t = totals.setdefault(hk, [0.0, 0.0, 0.0, 0.0, 0.0])
-                t[0] += p.verified
-                t[1] += 0.0 if p.failed else p.unverified
+                share = min(1.0, _finite(shares.get(hk, 0.0))) if p.unmeasured else 1.0
+                t[0] += p.verified * share
+                t[1] += 0.0 if p.failed else p.unverified * share
                 t[2] += p.passed
                 t[3] += p.failed
                 t[4] += p.quarantined

@@ -21,10 +21,14 @@ reach every miner each round, so a miner routed at 0 still gets re-measured. Eac
 the miner's capacity (:mod:`scoring.capacity`: ~1 for one honest card, 0.25 for each of four hotkeys
 sharing one, 2 for two cards behind one hotkey), so traffic follows hardware, not hotkeys.
 
+Where the validator runs capacity checks (``capacity_checks``), a round a hotkey was routed in before any check
+had read it is marked ``unmeasured`` and paid at its card share once one has (:class:`scoring.pay.PayWindow`).
+
 Restore on start: with a store whose last round ended less than ``restore_max_age_s`` ago, the
-settlement window and the routing credits come back, so miners measured recently are routable at
-once. The downtime is not turned into rounds: rounds the validator did not run are neither paid nor
-counted. An older store is left on disk but not used for settlement or routing.
+settlement window, the capacity readings and the routing credits come back, so miners measured recently are
+routable at once, at the card share their checks gave them. The downtime is not turned into rounds: rounds the
+validator did not run are neither paid nor counted. An older store is left on disk but not used for settlement or
+routing.
 
 Example::
 
@@ -49,7 +53,7 @@ from dataclasses import dataclass, field
 from loguru import logger
 
 from gateway.protocol.measurement import Measurement
-from scoring.capacity import CapacityBook, capacity_ratio, slot_share, validator_lag
+from scoring.capacity import CapacityBook, capacity_ratio, card_share, validator_lag
 from scoring.credit import CreditConfig
 from scoring.pay import PayWindow, RoundPay, round_value
 from scoring.rounds import RoundAccumulator
@@ -149,11 +153,13 @@ class Scorer:
         *,
         restore_max_age_s: float = 3600.0,
         audits: bool = False,
+        capacity_checks: bool = False,
     ) -> None:
         self.config = config or CreditConfig()
         self.clock = clock
         self.restore_max_age_s = restore_max_age_s
         self.audits = audits  # the validator audits answers: early stops are paid only when audited
+        self.capacity_checks = capacity_checks  # the validator checks capacity: unmeasured rounds pay at card share
         self.settlement = Settlement(window)  # credits: routing
         self.values = PayWindow(window)  # values, verified or held: weights
         self.capacity = CapacityBook(window)  # routing credit x best recent capacity ratio
@@ -187,6 +193,8 @@ class Scorer:
             self.values.push(r.pays())
             for m in r.miners:
                 self._uids[m.hotkey] = m.uid
+                if m.capacity is not None:
+                    self.capacity.push(m.hotkey, m.capacity)
         routing, _ = store.routing_credits()
         self._routing = routing
         self.restored = True
@@ -222,19 +230,15 @@ class Scorer:
         self._round = acc.next_round()
         dropped, self._dropped = self._dropped, 0
         round_scores = acc.scores()
-        pays = {hk: RoundPay(verified=round_value(row.verified_work_s, row.score, length),
-                             unverified=round_value(row.work_s - row.verified_work_s, row.score, length),
-                             passed=row.audits_passed, failed=row.audits_failed, quarantined=hk in quarantined)
-                for hk, row in acc.miners.items()}
-        pays.update({hk: RoundPay(quarantined=True) for hk in quarantined if hk not in pays})
+        pays = self._round_pays(acc, length, quarantined)
         self.settlement.push(round_scores)
         self.values.push(pays)
         settled = self.settlement.settled()
-        settled_values = self.values.settled()
         for hk, played in acc.miners.items():
             self._uids[hk] = played.uid
-        self._read_capacity(acc)
+        readings = self._read_capacity(acc)
         self.capacity.forget(set(settled))
+        settled_values = self.settled_values()
         measured = {hk: row.score for hk, row in acc.miners.items() if row.measured}
         self._routing = {hk: s for hk, s in settled.items() if hk not in measured}
         self._routing.update(measured)
@@ -259,15 +263,28 @@ class Scorer:
             stored.append(StoredMiner(hk, uid, row.score, row.requests, row.measured, row.credit_sum, p50, p95,
                                       dict(row.failures), work_s=row.work_s, value=pay.verified,
                                       unverified=pay.unverified, audits_passed=pay.passed, audits_failed=pay.failed,
-                                      quarantined=pay.quarantined))
+                                      quarantined=pay.quarantined, unmeasured=pay.unmeasured,
+                                      capacity=readings.get(hk)))
         saved = (StoredRound(self._next_index, ended_at, stored), dict(self._routing), dict(self._uids))
         report = RoundReport(self._next_index, ended_at, rows, dropped, saved)
         self._next_index += 1
         return report
 
-    def _read_capacity(self, acc: RoundAccumulator) -> None:
+    def _round_pays(self, acc: RoundAccumulator, length: float, quarantined: AbstractSet[str]) -> dict[str, RoundPay]:
+        """What the round is worth to each hotkey, before settlement. A hotkey no check had read before this round's
+        close was routed unmeasured all round (a reading taken in it applies from the next)."""
+        unmeasured = {hk for hk in acc.miners if not self.capacity.measured(hk)} if self.capacity_checks else set()
+        pays = {hk: RoundPay(verified=round_value(row.verified_work_s, row.score, length),
+                             unverified=round_value(row.work_s - row.verified_work_s, row.score, length),
+                             passed=row.audits_passed, failed=row.audits_failed, quarantined=hk in quarantined,
+                             unmeasured=hk in unmeasured)
+                for hk, row in acc.miners.items()}
+        pays.update({hk: RoundPay(quarantined=True) for hk in quarantined if hk not in pays})
+        return pays
+
+    def _read_capacity(self, acc: RoundAccumulator) -> dict[str, float]:
         """Push the round's capacity check, each reading against the check's best card (:func:`scoring.capacity.
-        validator_lag`): all of them slow at once is the validator's lag, not the miners'."""
+        validator_lag`): all of them slow at once is the validator's lag, not the miners'. Returns what it pushed."""
         readings = {hk: ratio for hk, played in acc.miners.items()
                     if (ratio := capacity_ratio(played.capacity_rates, played.capacity_concurrency, self.config))
                     is not None}
@@ -275,8 +292,10 @@ class Scorer:
         if lag < 1.0:
             logger.info("capacity check: its best card read {:.2f} of a card, every reading lifted by {:.2f} (the "
                         "validator read the cards late)", max(readings.values()), 1.0 / lag)
-        for hk, ratio in readings.items():
-            self.capacity.push(hk, ratio / lag)
+        pushed = {hk: ratio / lag for hk, ratio in readings.items()}
+        for hk, ratio in pushed.items():
+            self.capacity.push(hk, ratio)
+        return pushed
 
     # -- outputs ---------------------------------------------------------------------------------
 
@@ -286,15 +305,16 @@ class Scorer:
 
     def routing_shares(self) -> dict[str, float]:
         """The share of its declared slots each routed hotkey's measured card backs (:func:`scoring.capacity.
-        slot_share` of its multiplier): the router counts a hotkey's declared slots only as far as a card backs
+        card_share` of its multiplier): the router counts a hotkey's declared slots only as far as a card backs
         them."""
-        return {hk: slot_share(self.capacity.multiplier(hk)) for hk in self._routing}
+        return {hk: card_share(self.capacity.multiplier(hk)) for hk in self._routing}
 
     def settled(self) -> dict[str, float]:
         return self.settlement.settled()
 
     def settled_values(self) -> dict[str, float]:
-        return self.values.settled()
+        """The pay window settled, unmeasured rounds at each hotkey's card share (0 before its first check)."""
+        return self.values.settled(self.capacity.card_shares())
 
     def payable(self, exclude: AbstractSet[str] = frozenset()) -> dict[str, float]:
         """Settled values with ``exclude`` (hotkeys quarantined by their audits) paid 0: what weights come from."""

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from scoring.store_schema import SCHEMA, SCHEMA_2, SCHEMA_3, SCHEMA_4, SCHEMA_5, SCHEMA_VERSION, TABLES
+from scoring.store_schema import SCHEMA, SCHEMA_2, SCHEMA_3, SCHEMA_4, SCHEMA_5, SCHEMA_6, SCHEMA_VERSION, TABLES
 from scoring.stored import (
     CorruptStateError,
     NewerSchemaError,
@@ -117,7 +117,7 @@ class ScoreStore:
                 )
             with self._tx(conn):
                 conn.executescript("BEGIN;" + SCHEMA + SCHEMA_2 + SCHEMA_3 + SCHEMA_4 + SCHEMA_5 +
-                                   f"PRAGMA user_version = {SCHEMA_VERSION};")
+                                   SCHEMA_6 + f"PRAGMA user_version = {SCHEMA_VERSION};")
             logger.info("scoring state: created {} (schema {})", self.path, SCHEMA_VERSION)
             return
         if version == 1:
@@ -141,7 +141,13 @@ class ScoreStore:
             with self._tx(conn):
                 conn.executescript("BEGIN;" + SCHEMA_5 + "PRAGMA user_version = 5;")
             tables |= {"intake", "counted"}
+            version = 5
             logger.info("scoring state: {} migrated from schema 4 to 5 (measurements counted once)", self.path)
+        if version == 5:
+            with self._tx(conn):
+                conn.executescript("BEGIN;" + SCHEMA_6 + "PRAGMA user_version = 6;")
+            version = 6
+            logger.info("scoring state: {} migrated from schema 5 to 6 (capacity readings kept)", self.path)
         missing = TABLES - tables
         if missing:
             raise CorruptStateError(self.path, f"schema {version} but tables {sorted(missing)} are missing")
@@ -199,6 +205,7 @@ class ScoreStore:
                 float(m.credit_sum), _opt_float(m.ttft_p50), _opt_float(m.ttft_p95),
                 json.dumps(dict(m.failures), sort_keys=True), _finite(m.work_s), _finite(m.value),
                 _finite(m.unverified), int(m.audits_passed), int(m.audits_failed), int(bool(m.quarantined)),
+                int(bool(m.unmeasured)), _opt_float(m.capacity),
             )
             for m in rnd.miners
         ]
@@ -206,8 +213,8 @@ class ScoreStore:
             c.execute("INSERT INTO rounds (idx, ended_at) VALUES (?, ?)", (rnd.index, float(rnd.ended_at)))
             c.executemany(
                 "INSERT INTO round_miners (idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, "
-                "ttft_p95, failures, work_s, value, unverified, audits_passed, audits_failed, quarantined) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "ttft_p95, failures, work_s, value, unverified, audits_passed, audits_failed, quarantined, "
+                "unmeasured, capacity) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
             c.execute("DELETE FROM routing")
@@ -232,7 +239,8 @@ class ScoreStore:
             by_idx: dict[int, list[StoredMiner]] = {int(i): [] for i, _ in heads}
             for r in c.execute(
                 "SELECT idx, hotkey, uid, requests, measured, score, credit_sum, ttft_p50, ttft_p95, failures, "
-                "work_s, value, unverified, audits_passed, audits_failed, quarantined FROM round_miners "
+                "work_s, value, unverified, audits_passed, audits_failed, quarantined, unmeasured, capacity "
+                "FROM round_miners "
                 "WHERE idx >= ? ORDER BY idx, rowid",
                 (heads[0][0],),
             ):
@@ -248,6 +256,7 @@ class ScoreStore:
                         failures={str(k): int(v) for k, v in failures.items()},
                         work_s=float(r[10]), value=float(r[11]), unverified=float(r[12]),
                         audits_passed=int(r[13]), audits_failed=int(r[14]), quarantined=bool(r[15]),
+                        unmeasured=bool(r[16]), capacity=None if r[17] is None else float(r[17]),
                     )
                 )
             return [StoredRound(int(i), float(t), by_idx[int(i)]) for i, t in heads]

@@ -1,9 +1,9 @@
 """The state file's schema (SQLite): the tables of schema 1 (``SCHEMA``) and what each later version added
-(``SCHEMA_2`` ... ``SCHEMA_5``), which :class:`scoring.store.ScoreStore` creates, checks and migrates."""
+(``SCHEMA_2`` ... ``SCHEMA_6``), which :class:`scoring.store.ScoreStore` creates, checks and migrates."""
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 SCHEMA = """
 CREATE TABLE rounds (
     idx INTEGER PRIMARY KEY,
@@ -82,5 +82,12 @@ CREATE TABLE counted (
     ref TEXT PRIMARY KEY,
     idx INTEGER NOT NULL
 );
+"""
+# Schema 6: capacity (issue 38): each round line keeps the capacity reading the round pushed (NULL: none), so a restart
+# keeps what the checks measured, and whether the hotkey was routed before any check had read it (its pay then waits
+# for one, scoring.pay.PayWindow). Rounds stored before read as measured, as they were paid, with no reading.
+SCHEMA_6 = """
+ALTER TABLE round_miners ADD COLUMN unmeasured INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE round_miners ADD COLUMN capacity REAL;
 """
 TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits", "key_usage", "intake", "counted"})

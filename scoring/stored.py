@@ -73,6 +73,8 @@ class StoredMiner:
     audits_passed: int = 0
     audits_failed: int = 0
     quarantined: bool = False
+    unmeasured: bool = False  # routed before any capacity check had read it (scoring.pay.RoundPay)
+    capacity: float | None = None  # the capacity reading this round pushed, lifted as pushed; None: not checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +87,8 @@ class StoredRound:
         return {m.hotkey: m.score for m in self.miners}
 
     def pays(self) -> dict[str, RoundPay]:
-        return {m.hotkey: RoundPay(m.value, m.unverified, m.audits_passed, m.audits_failed, m.quarantined)
-                for m in self.miners}
+        return {m.hotkey: RoundPay(m.value, m.unverified, m.audits_passed, m.audits_failed, m.quarantined,
+                                   m.unmeasured) for m in self.miners}
 
 
 @dataclass(frozen=True, slots=True)

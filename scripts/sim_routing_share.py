@@ -3,7 +3,7 @@
 
 Pay follows work served, and the router decides the work. Scores say what each miner should get (credit times the
 measured cards); least-in-flight says who is free. This runs :class:`gateway.router.Router` exactly as wired (routing
-scores from :func:`scoring.capacity.cards`, slots backed by :func:`scoring.capacity.slot_share`) over a field of
+scores from :func:`scoring.capacity.cards`, slots backed by :func:`scoring.capacity.card_share`) over a field of
 4-slot miners: honest cards read at one card, one card split into two hotkeys each read at 0.41 of a card (issue 38's
 pair), an honest half-speed card (read 0.4) and cards carrying other validators' load (read 0.6 and 0.7). Requests
 arrive at random (Poisson) and each holds its miner for the same time, at several levels of the field's slots busy;
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_lib.router_sim import arrivals  # noqa: E402
 
 from gateway.router import Candidate, Router  # noqa: E402
-from scoring.capacity import cards, slot_share  # noqa: E402
+from scoring.capacity import card_share, cards  # noqa: E402
 
 HONEST = 13  # honest 4-slot cards beside the miners under study
 READINGS = {"pair/0": 0.41, "pair/1": 0.41, "half-speed": 0.4, "loaded 0.6": 0.6, "loaded 0.7": 0.7}
@@ -49,7 +49,7 @@ def simulate(busy: float, seed: int, requests: int) -> dict[str, float]:
     router = Router(rng=random.Random(seed))
     router.sync([Candidate(uid=i, hotkey=k, endpoint=k, slots=SLOTS) for i, k in enumerate(names)])
     scores = {k: cards(v) for k, v in readings.items()}
-    router.set_scores(scores, {k: slot_share(score) for k, score in scores.items()})
+    router.set_scores(scores, {k: card_share(score) for k, score in scores.items()})
     served: Counter[str] = Counter()
     for lease in arrivals(router, rate=busy * SLOTS * len(names) / HOLD_S, requests=requests,
                           rng=random.Random(seed + 1), acquire=router.acquire, hold=lambda: HOLD_S):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -294,15 +295,66 @@ def test_a_card_backs_its_slots_as_far_as_its_reading_and_a_sybil_its_share_of_t
     card on, the multiplier's share below it. One card as two hotkeys read 0.41 each backs 0.41 of each one's slots,
     3.3 of 4 for the pair (at 0.55 of them each, as before, the pair held 4.4 streams where an honest card holds 4,
     and took 1.26-1.57x an honest card's requests from 30 % of the slots busy on: ``scripts/sim_routing_share.py``)."""
-    from scoring.capacity import slot_share
+    from scoring.capacity import card_share
 
-    assert slot_share(1.0) == slot_share(2.0) == 1.0
-    assert slot_share(0.41) == pytest.approx(0.41) and 2 * 4 * slot_share(0.41) < 4 * 1.0
-    assert slot_share(cards(0.6)) == pytest.approx(cards(0.6))  # a card carrying others' load: as its score says
-    assert slot_share(0.0) == slot_share(float("nan")) == 0.0
+    assert card_share(1.0) == card_share(2.0) == 1.0
+    assert card_share(0.41) == pytest.approx(0.41) and 2 * 4 * card_share(0.41) < 4 * 1.0
+    assert card_share(cards(0.6)) == pytest.approx(cards(0.6))  # a card carrying others' load: as its score says
+    assert card_share(0.0) == card_share(float("nan")) == 0.0
     scorer = Scorer(CFG)
     scorer.record(_check("shared", tokens=251, per_stream_tok_s=35.0))  # read at about a third of a card
     scorer.record(_check("whole", tokens=251))
     scorer.close_round(round_s=60.0)
     shares = scorer.routing_shares()
     assert shares["whole"] == 1.0 and shares["shared"] < 0.6
+
+
+def _served(hotkey: str) -> Measurement:
+    """One user's answer, served well: 64 tokens at an honest card's one-stream rate."""
+    return Measurement(uid=1, hotkey=hotkey, in_flight=0, prompt_tokens=40, max_tokens=64, ttft_s=0.3,
+                       latency_s=0.3 + 63 / 440.0, completion_tokens=64, ok=True, concurrency=1.0, slots=4)
+
+
+@pytest.mark.parametrize("checks", [True, False])
+def test_rounds_routed_before_the_first_check_are_paid_at_the_card_share_it_reads(checks: bool,
+                                                                                 tmp_path: Path) -> None:
+    """Issue 38 (CI): before its first check every hotkey routes at half a card, so one card as four new hotkeys was
+    sent two cards' traffic, and four times an honest card's where all were new at once (a new validator, the soak:
+    in an 8-round smoke the 4-hotkey group served 35 of its 81 requests in the two rounds before its readings applied,
+    and weighed 1.08x an honest card in one CI run). Those rounds are paid at the share of a card a check reads: the
+    group one card's worth, the honest card in full. Without capacity checks, pay is as it was."""
+    from scoring.store import ScoreStore
+
+    sybils = [f"s{i}" for i in range(4)]
+    uids = {hk: i for i, hk in enumerate(["honest", *sybils])}
+    t = [1_000_000.0]
+    with ScoreStore(tmp_path) as store:
+        scorer = Scorer(CFG, capacity_checks=checks, clock=lambda: t[0])
+        for rnd in range(3):  # rounds 1-2 routed unmeasured (a reading of round 2 applies from round 3)
+            for hk in uids:
+                for _ in range(10):
+                    scorer.record(_served(hk))
+            if rnd == 1:  # round 2's check: the honest card reads one card, each sybil about a quarter
+                scorer.record(_check("honest", tokens=251))
+                for hk in sybils:
+                    scorer.record(_check(hk, tokens=251, per_stream_tok_s=25.0))
+            t[0] += 60.0
+            saved = scorer.close_round(round_s=60.0).saved
+            assert saved is not None
+            store.save_round(*saved)
+            assert [m.unmeasured for m in saved[0].miners] == [checks and rnd < 2] * 5
+            if checks and rnd == 0:
+                assert scorer.weights(uids) == {}  # nobody measured yet: every round's pay waits for a check
+        w = scorer.weights(uids)
+        group = sum(w[uids[hk]] for hk in sybils) / w[uids["honest"]]
+        shares = [scorer.capacity.multiplier(hk) for hk in sybils]
+        assert scorer.capacity.multiplier("honest") == 1.0 and all(0.15 < s < 0.4 for s in shares), shares
+        if checks:  # rounds 1-2 at their shares, round 3 in full (it was routed at them)
+            assert group == pytest.approx((2 * sum(shares) + 4) / 3)
+        else:
+            assert group == pytest.approx(4.0)
+        # a restart keeps the readings and the rounds' marks: the same weights, the same routing
+        again = Scorer(CFG, capacity_checks=checks, clock=lambda: t[0])
+        assert again.restore(store)
+        assert again.weights(uids) == pytest.approx(w)
+        assert again.routing_shares() == pytest.approx(scorer.routing_shares())

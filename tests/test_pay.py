@@ -302,6 +302,23 @@ def test_unaudited_pay_is_held_until_an_audit_passes_and_forfeited_by_a_failure(
     assert math.isfinite(w.settled()["a"])
 
 
+def test_a_round_routed_before_the_first_capacity_check_is_paid_at_the_card_share() -> None:
+    """Issue 38: an ``unmeasured`` round waits for the hotkey's first reading and is paid at its share of a card, never
+    more than in full; other rounds are not touched."""
+    from scoring.pay import PayWindow, RoundPay
+
+    w = PayWindow(2)
+    w.push({"new": RoundPay(verified=0.4, unmeasured=True), "old": RoundPay(verified=0.4)})
+    assert w.settled() == {"new": 0.0, "old": pytest.approx(0.4)}  # held: no reading yet
+    assert w.settled({"new": 0.25, "old": 0.25}) == {"new": pytest.approx(0.1), "old": pytest.approx(0.4)}
+    assert w.settled({"new": 2.0})["new"] == pytest.approx(0.4)  # two cards behind it: paid in full, no more
+    assert w.settled({"new": float("nan")})["new"] == 0.0
+    w.push({"new": RoundPay(verified=0.1, unverified=0.4, passed=1, unmeasured=True)})
+    assert w.settled({"new": 0.5})["new"] == pytest.approx((0.2 + 0.25) / 2)  # verified and unverified alike
+    w.push({"new": RoundPay(verified=0.4)})
+    assert w.settled({"new": 0.5})["new"] == pytest.approx((0.25 + 0.4) / 2)
+
+
 def test_junk_served_to_users_is_not_paid_when_probes_pass() -> None:
     """Honest to probes, junk to users: one failed audit of a user's answer forfeits all it served unaudited."""
     s = Scorer(CFG, window=3, audits=True)

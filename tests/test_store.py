@@ -30,7 +30,8 @@ def make_round(idx: int, n: int = 3, at: float = 1000.0) -> StoredRound:
         StoredMiner(hotkey=f"hk{i}", uid=i, score=(i + idx) % 10 / 10, requests=10 + i, measured=9 + i,
                     credit_sum=1.5 * i, ttft_p50=0.2 + i / 100, ttft_p95=None if i == 0 else 0.4,
                     failures={"timeout": i} if i else {}, work_s=2.5 * i, value=0.01 * i, unverified=0.1 * i,
-                    audits_passed=i, audits_failed=i % 2, quarantined=i == 2)
+                    audits_passed=i, audits_failed=i % 2, quarantined=i == 2, unmeasured=i == 1,
+                    capacity=None if i == 0 else 0.25 * i)
         for i in range(n)
     ]
     return StoredRound(idx, at + idx, miners)
@@ -258,18 +259,30 @@ def test_audits_and_strikes_round_trip_and_are_bounded(tmp_path: Path) -> None:
         assert st.load_strikes() == {"hk0": {"recent": [0, 0], "quarantined_at": 7.0, "clean_run": 0}}
 
 
-@pytest.mark.parametrize("old", [1, 2, 3, 4])
+@pytest.mark.parametrize("old", [1, 2, 3, 4, 5])
 def test_an_older_file_is_migrated_without_losing_rounds(tmp_path: Path, old: int) -> None:
     path = tmp_path / "v.sqlite"
     with ScoreStore(path) as st:
         st.save_round(make_round(1), routing={"hk0": 0.3})
+        st._conn.execute("ALTER TABLE round_miners DROP COLUMN unmeasured")  # what schema 5 looks like
+        st._conn.execute("ALTER TABLE round_miners DROP COLUMN capacity")
+        if old == 5:
+            st._conn.execute("PRAGMA user_version = 5")
+            st.close()
+            with ScoreStore(path) as again:  # rounds of schema 5 read as measured, with no reading
+                kept5 = [dataclasses.replace(m, unmeasured=False, capacity=None) for m in make_round(1).miners]
+                assert again.load_rounds(5) == [dataclasses.replace(make_round(1), miners=kept5)]
+                assert again._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+            return
         st._conn.execute("DROP TABLE intake")  # what schema 4 looks like
         st._conn.execute("DROP TABLE counted")
         if old == 4:
             st._conn.execute("PRAGMA user_version = 4")
             st.close()
             with ScoreStore(path) as again:
-                assert again.load_rounds(5) == [make_round(1)] and again.taken_in() == []
+                kept4 = [dataclasses.replace(m, unmeasured=False, capacity=None) for m in make_round(1).miners]
+                assert again.load_rounds(5) == [dataclasses.replace(make_round(1), miners=kept4)]
+                assert again.taken_in() == []
                 assert again.counted_refs() == set()
             return
         for column in ("unverified", "audits_passed", "audits_failed", "quarantined"):  # what schema 3 looks like
@@ -282,9 +295,10 @@ def test_an_older_file_is_migrated_without_losing_rounds(tmp_path: Path, old: in
             st._conn.execute("DROP TABLE audits")  # and schema 1
         st._conn.execute(f"PRAGMA user_version = {old}")
     with ScoreStore(path) as st:
-        assert st._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert st._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
         # schema 3 rounds keep their value, all of it verified (as it was paid); older rounds are worth 0
         kept = [dataclasses.replace(m, unverified=0.0, audits_passed=0, audits_failed=0, quarantined=False,
+                                    unmeasured=False, capacity=None,
                                     work_s=m.work_s if old == 3 else 0.0, value=m.value if old == 3 else 0.0)
                 for m in make_round(1).miners]
         assert st.load_rounds(5) == [dataclasses.replace(make_round(1), miners=kept)]

@@ -140,7 +140,8 @@ def build_parts(
         gateway.plug(key_limits=shared.limits, metrics=(shared.families,))
     credit = credit or load_profile(cfg.credit_profile)
     scorer = Scorer(credit, window=cfg.settlement_rounds,
-                    restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None)
+                    restore_max_age_s=cfg.restore_max_age_s, audits=reference is not None,
+                    capacity_checks=cfg.capacity_check)
     prompts = _prompts(cfg, seed_rng, gateway)
     probes = ProbeRunner(router, upstream.probe, prompts, tuple(cfg.models), random.Random(seed_rng.random()),
                          capacity_check=cfg.capacity_check, hold=shared.leases.hold if shared is not None else None,
