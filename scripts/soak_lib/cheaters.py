@@ -50,6 +50,14 @@ Issue 38's:
   0.17 (2026-12-07). With the one-card band from 0.65 or 0.7 the group weighed up to 1.11x an honest card; from
   0.75, 0.68-0.96x (:mod:`scoring.capacity`: the band's trade).
 
+* ``stall-part``: ``stall-but-one`` tuned to the one-card band's flat top (a reading from 0.75 routes as a whole card):
+  its one check stream leaves the card after :data:`ON_CARD_PART` of its tokens, so the sibling reads nearer a whole
+  card and this hotkey keeps a share; if the two readings summed to one card, the sibling at 0.75 and this one at 0.25
+  would route as 1.25 cards. They sum to about 0.8 (adversarial soak, seed 1, 2026-12-07): on the card for 15 % of
+  its tokens it read 0.74 + 0.05, routed as 0.98 + 0.05 cards and the group weighed 0.93x an honest card; 30 %:
+  0.70 + 0.10, 0.89 + 0.10, 0.95x; 60 %: 0.60 + 0.17, 0.70 + 0.17, 0.84x. The flat top is worth 0.03 of a card at
+  best, and the group's weight stays under one card's.
+
 Cheats that are a property of the card itself (two tokens then ``stop``, a half-speed card cutting
 every token into id-less chunks) are :class:`~neurons.miner.runtimes.sim.CardProfile` knobs.
 
@@ -77,10 +85,12 @@ from neurons.model.toy import MODEL as TOY
 from .load import CardRuntime
 
 CHEATS = ("refuse-when-card-busy", "probes-only", "probes-stall", "self-dealer", "hold-check", "hold-check-429",
-          "slot-liar", "burst", "cycler", "too-long-when-busy", "check-second", "stall-second", "stall-but-one")
+          "slot-liar", "burst", "cycler", "too-long-when-busy", "check-second", "stall-second", "stall-but-one",
+          "stall-part")
 PROBE_MARK = "\u2063"  # an invisible separator before a probe's prompt: the oracle (ProbeOracle)
 CHECK_MARK = PROBE_MARK * 2  # ... two before a capacity-check stream's
 SELF_MARK = "[ref 7f3a]"  # the self-dealer's own prompts carry it (a real one would hide it better)
+ON_CARD_PART = 0.3  # stall-part: the share of its one check stream's tokens decoded on the card (see the docstring)
 HANG_S = 3600.0  # "until the client gives up": the validator's first-token deadline ends it long before
 
 
@@ -156,7 +166,7 @@ class CheatRuntime:
                 async for part in self._stalled_answer(payload):
                     yield part
                 return
-        elif cheat == "stall-but-one":
+        elif cheat in ("stall-but-one", "stall-part"):
             if self.is_check(payload):
                 if self._checking:
                     async for part in self._stalled_answer(payload):
@@ -164,7 +174,8 @@ class CheatRuntime:
                     return
                 self._checking += 1
                 try:
-                    async with contextlib.aclosing(self.card.stream(payload)) as frames:
+                    served = self.card.stream(payload) if cheat == "stall-but-one" else self._part_on_card(payload)
+                    async with contextlib.aclosing(served) as frames:
                         async for chunk in frames:
                             yield chunk
                 finally:
@@ -201,6 +212,31 @@ class CheatRuntime:
             await self._card_idle()
             per_token = self._stalled / profile.aggregate_tok_s / scale
             for t in ids[1:]:
+                await asyncio.sleep(per_token)
+                yield f.tokens(TOY.piece(t).decode(), [t])
+        finally:
+            self._stalled -= 1
+        yield frame(f.chunk({}, "stop" if ended else "length")) + DONE_FRAME
+
+    async def _part_on_card(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
+        """``stall-part``'s check stream: on the card for the first :data:`ON_CARD_PART` of its tokens, then off it
+        (the sibling's check streams get the whole card) and the rest once the card is idle, as a stalled one's."""
+        f, ids, ended = _model_answer(payload, SamplingParams.of(payload), "chatcmpl-part")
+        on_card = max(1, round(len(ids) * ON_CARD_PART))
+        sent = -1  # the card's first frame names the role, each after it one token
+        async with contextlib.aclosing(self.card.stream(payload)) as frames:
+            async for chunk in frames:
+                if sent >= on_card and b"[DONE]" not in chunk and sent < len(ids):
+                    break  # leaves the card: the same answer goes on below, off it
+                yield chunk
+                sent += chunk.count(b"data: ")
+            else:
+                return  # the card ended it first
+        self._stalled += 1
+        try:
+            await self._card_idle()
+            per_token = self._stalled / self.card.profile.aggregate_tok_s / self.card.scale
+            for t in ids[sent:]:
                 await asyncio.sleep(per_token)
                 yield f.tokens(TOY.piece(t).decode(), [t])
         finally:

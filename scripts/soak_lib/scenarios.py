@@ -62,6 +62,7 @@ CHEATERS: dict[str, bool] = {
     "split-serial": False,  # the same, one of them starting its check streams only once the card is idle
     "split-stall": False,  # the same, one of them sending its check streams' first tokens at once, the rest later
     "split-uneven": False,  # the same, one of them running one check stream beside its sibling's, stalling the rest
+    "split-part": False,  # the same, its one check stream on the card for part of its tokens (tuned to the band)
 }
 HALF_SPEED = CardProfile(name="rtx5090-half", single_tok_s=220.0, aggregate_tok_s=150.0, chunks_per_token=2)
 HALF_IDS = CardProfile(name="rtx5090-half-ids", single_tok_s=220.0, aggregate_tok_s=150.0)  # honest, just slow
@@ -203,6 +204,8 @@ def build_scenarios(window: int = 12, smoke: bool = False) -> dict[str, Scenario
                CardSpec("split-stall/1", FAST, cheat="stall-second", card="split-stall"),
                CardSpec("split-uneven/0", FAST, card="split-uneven"),
                CardSpec("split-uneven/1", FAST, cheat="stall-but-one", card="split-uneven"),
+               CardSpec("split-part/0", FAST, card="split-part"),
+               CardSpec("split-part/1", FAST, cheat="stall-part", card="split-part"),
                CardSpec("half-burst", HALF_IDS, cheat="burst"),
                CardSpec("half-honest", HALF_IDS),
                CardSpec("cycler", FAST, cheat="cycler")),
