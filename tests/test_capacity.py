@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.protocol.measurement import FailureReason, Measurement
-from neurons.validator.probes import ProbeRunner
+from neurons.validator.probes import ProbeRunner, check_streams
 from neurons.validator.prompts import MIXES, PromptGenerator
 from scoring.capacity import (
     LAG_FLOOR,
@@ -264,6 +264,14 @@ async def test_one_card_as_four_hotkeys_routes_as_one_card(make_sim_miner, make_
     shares = [scorer.capacity.multiplier(m.hotkey) for m in shared]
     assert all(0.15 < s < 0.4 for s in shares), shares  # 12 streams on one card: ~0.25 each
     assert sum(shares) < 1.3
+
+
+def test_a_check_fills_every_free_slot_but_one() -> None:
+    """The slot left free keeps users served; an idle 1-slot miner still takes one stream, a miner with one slot free
+    or none takes none (its reading waits for a quieter check)."""
+    assert [check_streams(4, busy) for busy in range(5)] == [3, 2, 1, 0, 0]
+    assert [check_streams(1, busy) for busy in range(2)] == [1, 0]
+    assert check_streams(8, 9) == 0  # more streams than slots (other processes' leases): none, never negative
 
 
 async def test_capacity_checks_start_in_the_second_round() -> None:

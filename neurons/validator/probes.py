@@ -48,6 +48,13 @@ def plan_round(uids: Iterable[int], per_miner: int, round_s: float, rng: random.
 
 
 CAPACITY_CHECKS = 2  # capacity checks a round, each at its own random moment
+
+
+def check_streams(slots: int, busy: int) -> int:
+    """The streams a capacity check starts on a miner with ``busy`` of its ``slots`` in use: every free slot but one
+    (the one left keeps serving users), and one on an idle 1-slot miner. None on a miner with one slot free or none:
+    under heavy traffic a hotkey's first reading comes late (``scripts/sim_routing_share.py`` prints how often)."""
+    return max(1 if busy == 0 else 0, slots - busy - 1)
 _REDRAWS = 8  # drawing a long-enough shape this many times at most, then asking for the minimum
 
 
@@ -123,7 +130,7 @@ class ProbeRunner:
             if m.hotkey not in self.answered:
                 continue
             busy = m.in_flight + m.elsewhere  # every gateway process's streams
-            streams = max(1 if busy == 0 else 0, m.slots - busy - 1)
+            streams = check_streams(m.slots, busy)
             least = check_tokens(busy + streams, self._credit, longest=longest)
             for _ in range(streams):
                 payload = self._check_payload(self._model_for(m), least)  # before the lease: nothing can leak it
