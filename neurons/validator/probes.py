@@ -48,14 +48,15 @@ def plan_round(uids: Iterable[int], per_miner: int, round_s: float, rng: random.
 
 
 CAPACITY_CHECKS = 2  # capacity checks a round, each at its own random moment
+_REDRAWS = 8  # drawing a long-enough shape this many times at most, then asking for the minimum
 
 
 def check_streams(slots: int, busy: int) -> int:
     """The streams a capacity check starts on a miner with ``busy`` of its ``slots`` in use: every free slot but one
-    (the one left keeps serving users), and one on an idle 1-slot miner. None on a miner with one slot free or none:
-    under heavy traffic a hotkey's first reading comes late (``scripts/sim_routing_share.py`` prints how often)."""
+    (the one left keeps serving users), and one on an idle 1-slot miner. None on a miner with one slot free or none,
+    so under heavy traffic a card's readings are seldom renewed; a hotkey not read yet routes at half a card and has
+    room (``scripts/sim_routing_share.py`` prints how often each finds none)."""
     return max(1 if busy == 0 else 0, slots - busy - 1)
-_REDRAWS = 8  # drawing a long-enough shape this many times at most, then asking for the minimum
 
 
 class ProbeFn(Protocol):
