@@ -204,14 +204,20 @@ class CheatRuntime:
         """The model's own answer (its seeded draw, which passes the audit): the first token at once, the rest once
         the card is idle, at the card's aggregate rate shared by the streams that waited."""
         f, ids, ended = _model_answer(payload, SamplingParams.of(payload), "chatcmpl-stall")
-        scale, profile = self.card.scale, self.card.profile
-        await asyncio.sleep(0.1 / scale)  # a short prompt's prefill
+        await asyncio.sleep(0.1 / self.card.scale)  # a short prompt's prefill
         yield frame(f.chunk({"role": "assistant"}, None)) + f.tokens(TOY.piece(ids[0]).decode(), [ids[0]])
+        async with contextlib.aclosing(self._rest_once_idle(f, ids[1:], ended)) as rest:
+            async for part in rest:
+                yield part
+
+    async def _rest_once_idle(self, f: ChunkFramer, ids: list[int], ended: bool) -> AsyncGenerator[bytes, None]:
+        """The rest of a held answer: ``ids`` once the card is idle, at its aggregate rate shared by the streams that
+        waited, then the finish and ``[DONE]``."""
         self._stalled += 1
         try:
             await self._card_idle()
-            per_token = self._stalled / profile.aggregate_tok_s / scale
-            for t in ids[1:]:
+            per_token = self._stalled / self.card.profile.aggregate_tok_s / self.card.scale
+            for t in ids:
                 await asyncio.sleep(per_token)
                 yield f.tokens(TOY.piece(t).decode(), [t])
         finally:
@@ -232,16 +238,9 @@ class CheatRuntime:
                 sent += chunk.count(b"data: ")
             else:
                 return  # the card ended it first
-        self._stalled += 1
-        try:
-            await self._card_idle()
-            per_token = self._stalled / self.card.profile.aggregate_tok_s / self.card.scale
-            for t in ids[sent:]:
-                await asyncio.sleep(per_token)
-                yield f.tokens(TOY.piece(t).decode(), [t])
-        finally:
-            self._stalled -= 1
-        yield frame(f.chunk({}, "stop" if ended else "length")) + DONE_FRAME
+        async with contextlib.aclosing(self._rest_once_idle(f, ids[sent:], ended)) as rest:
+            async for part in rest:
+                yield part
 
     async def _held(self, payload: dict[str, Any]) -> bytes:
         """The card's real answer, computed in full and held: all of it in one write at the end."""
