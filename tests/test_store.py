@@ -266,11 +266,12 @@ def test_an_older_file_is_migrated_without_losing_rounds(tmp_path: Path, old: in
         st.save_round(make_round(1), routing={"hk0": 0.3})
         st._conn.execute("ALTER TABLE round_miners DROP COLUMN unmeasured")  # what schema 5 looks like
         st._conn.execute("ALTER TABLE round_miners DROP COLUMN capacity")
+        # rounds stored before schema 6 read as measured, with no reading
+        kept5 = [dataclasses.replace(m, unmeasured=False, capacity=None) for m in make_round(1).miners]
         if old == 5:
             st._conn.execute("PRAGMA user_version = 5")
             st.close()
-            with ScoreStore(path) as again:  # rounds of schema 5 read as measured, with no reading
-                kept5 = [dataclasses.replace(m, unmeasured=False, capacity=None) for m in make_round(1).miners]
+            with ScoreStore(path) as again:
                 assert again.load_rounds(5) == [dataclasses.replace(make_round(1), miners=kept5)]
                 assert again._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
             return
@@ -280,8 +281,7 @@ def test_an_older_file_is_migrated_without_losing_rounds(tmp_path: Path, old: in
             st._conn.execute("PRAGMA user_version = 4")
             st.close()
             with ScoreStore(path) as again:
-                kept4 = [dataclasses.replace(m, unmeasured=False, capacity=None) for m in make_round(1).miners]
-                assert again.load_rounds(5) == [dataclasses.replace(make_round(1), miners=kept4)]
+                assert again.load_rounds(5) == [dataclasses.replace(make_round(1), miners=kept5)]
                 assert again.taken_in() == []
                 assert again.counted_refs() == set()
             return
