@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from bench_gateway import TARGET_C, Row, cpu_checks, cpu_split, rewrite_floor  # noqa: E402
+from bench_lib.gateway_report import TARGET_C, Row, cpu_checks, cpu_split, rewrite_floor  # noqa: E402
 
 
 def run_script(name: str, *args: str, timeout: float = 180.0) -> str:
