@@ -9,7 +9,8 @@ validator logs the bands it uses at start.
 
 The rules from measurement to bands (:func:`bands_from`) never narrow the defaults, only widen them:
 
-* ``greedy_gap`` (the near-tie band) is at least 1.25x the 99.9th percentile of honest per-position gaps;
+* ``greedy_gap`` (the near-tie band) is at least 1.25x the 99.9th percentile of honest per-position gaps, never
+  set by one position alone (:func:`near_tie_gap`);
 * ``greedy_hard_gap`` is at least 1.5x the worst honest gap;
 * ``z_limit`` is at least 1.3x the largest honest |z| of free draws;
 * ``seeded_nucleus_slack`` is at least 1.25x the most probability mass an honest seeded token lay beyond its
@@ -19,11 +20,12 @@ The rules from measurement to bands (:func:`bands_from`) never narrow the defaul
 
 Widening has a ceiling (:data:`CEILING`), because calibration trusts the miner it measures: one that declares the
 subnet sampler and draws with its own RNG looked like an "honest spread" of 24.56 nats and wrote a near-tie band
-that lets almost any token pass (issue 37). Honest runtimes measured here stay far below it (llama.cpp against
-itself: worst gap 0.0 nats; vLLM 0.32 on the dequantized model against the llama.cpp reference: 0.57 nats, 2 of
-1,374 positions off the default band). So ``calibrate`` refuses, writing nothing, when the miner's determined
-answers miss more than :data:`MAX_HONEST_MISS_RATE` of positions at the default bands or need a band above the
-ceiling, and :func:`load_bands` refuses a file over it, whoever wrote it.
+that lets almost any token pass (issue 37). Honest runtimes measured here stay below it: llama.cpp against itself
+(an honest llama.cpp miner, this reference; 404 answers, 13,101 positions, ``--top-p 0.9``): 17 positions over 0.3
+nats, 4 over the default band, one at 1.17; vLLM 0.32 on the dequantized model against the llama.cpp reference:
+0.57 nats, 2 of 1,374 positions off the default band. So ``calibrate`` refuses, writing nothing, when the miner's
+determined answers miss more than :data:`MAX_HONEST_MISS_RATE` of positions at the default bands or need a band
+above the ceiling, and :func:`load_bands` refuses a file over it, whoever wrote it.
 
 Example::
 
@@ -76,8 +78,7 @@ def bands_from(spread: HonestSpread, base: AuditBands | None = None,
     near_tie = base.greedy_gap
     hard = base.greedy_hard_gap
     if gaps:
-        p999 = gaps[min(len(gaps) - 1, math.ceil(0.999 * len(gaps)) - 1)]
-        near_tie = max(near_tie, 1.25 * p999)
+        near_tie = max(near_tie, 1.25 * near_tie_gap(gaps))
         hard = max(hard, 1.5 * gaps[-1], 2.0 * near_tie)
     z_limit = max([base.z_limit] + [1.3 * z for z in spread.z if math.isfinite(z)])
     rate = (spread.misses + 1) / (spread.positions + 1)
@@ -87,6 +88,18 @@ def bands_from(spread: HonestSpread, base: AuditBands | None = None,
     bands = dataclasses.replace(base, greedy_gap=near_tie, greedy_hard_gap=hard, z_limit=z_limit,
                                 seeded_nucleus_slack=slack)
     return bands, dataclasses.replace(test, p0=p0, p1=min(0.5, max(test.p1, 10.0 * p0)))
+
+
+def near_tie_gap(gaps: Sequence[float]) -> float:
+    """The honest gap the near-tie band sits above: the 99.9th percentile of ``gaps`` (sorted), never the single
+    worst. Under 1,000 positions the percentile is the worst, and one rare position is then the whole tail:
+    llama.cpp's one-token decode and its batched replay of the same tokens differ by 0.5-3 nats of logit somewhere
+    in each row (its batch-of-one kernels are not its batched ones), so now and then an honest position lands
+    1.2-1.3 nats off (one of 13,101 here, another in a test's ~200), and a 6-answer calibration took that one for
+    the band, over the ceiling, and refused an honest miner. Beyond the band a position is one miss, which an
+    answer and the sequential test allow for; the hard gap still sits above the worst."""
+    n = len(gaps)
+    return gaps[max(0, min(n - 2, math.ceil(0.999 * n) - 1))]
 
 
 def save_bands(path: Path, bands: AuditBands, test: SequentialTest, *, measured: dict[str, Any]) -> None:
