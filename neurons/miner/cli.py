@@ -23,6 +23,7 @@ from gateway.protocol.openai import FEATURES, SUBNET_SAMPLER
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
 from ..flag_types import bound, log_level
+from ..logs import to_stderr
 from ..settings import MINER_PREFIX, add_config_flag, resolve
 from ..supervise import until_stop_signal
 from .runtimes.base import Runtime
@@ -208,9 +209,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logger.remove()
-    logger.add(sys.stderr, level=args.log_level.upper(),
-               format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    to_stderr(args.log_level)
     if args.runtime_gguf:  # found (and assembled, for the packaged model) before the event loop starts
         from pathlib import Path
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from loguru import logger
 
 from ..flag_types import bound
+from ..logs import to_stderr
 from ..model.packaged import ModelUnavailable
 from ..settings import REFERENCE_PREFIX, add_config_flag, resolve
 from ..supervise import until_stop_signal
@@ -75,8 +76,7 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logger.remove()
-    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    to_stderr("info")
     try:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:

@@ -35,6 +35,7 @@ from gateway.upstream import Upstream, UpstreamLimits
 from scoring.audit import AuditBands, Verdict
 
 from ..keys import dev_keypair, load_hotkey
+from ..logs import to_stderr
 from ..model.engine import EngineThread, LlamaEngine
 from ..model.packaged import ModelUnavailable, model_path
 from .bands import MAX_HONEST_MISS_RATE, HonestSpread, bands_from, describe, over_ceiling, save_bands
@@ -214,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--top-p must be within (0, 1], got {args.top_p}")
     if not args.dev_key and not args.wallet_name:
         p.error("sign with a validator's hotkey: --wallet.name (and --wallet.hotkey), or --dev-key NAME locally")
-    logger.remove()
-    logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    to_stderr("info")
     keypair = dev_keypair(args.dev_key) if args.dev_key else load_hotkey(args.wallet_name, args.wallet_hotkey,
                                                                            args.wallet_path)
     try:

@@ -18,6 +18,7 @@ from typing import Any
 
 from loguru import logger
 
+from ..logs import to_stderr
 from .build import build_validator
 from .config import ValidatorConfig, parse_args
 
@@ -42,11 +43,11 @@ def json_line(message: Any) -> None:
 
 
 def _configure_logging(level: str, fmt: str = "text") -> None:
-    logger.remove()
     if fmt == "json":
+        logger.remove()
         logger.add(json_line, level=level.upper())
     else:
-        logger.add(sys.stderr, level=level.upper(), format=log_format)
+        to_stderr(level, log_format)
 
 
 async def _run_network(cfg: ValidatorConfig) -> int:
