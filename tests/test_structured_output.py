@@ -184,6 +184,23 @@ def test_a_call_of_a_function_whose_parameters_nest_models_is_in_its_grammar(eng
                 assert g.allows(sorted(engine.stop_ids)).all()
 
 
+def test_a_string_in_the_grammar_is_a_json_string_with_no_raw_control_character(engine: LlamaEngine) -> None:
+    """llama-cpp-python's converter let any character but a quote or a backslash into a string: of 400 seeded forced
+    calls at the default temperature, 9 ended as a call no client parses (a raw newline in a JSON string is invalid,
+    RFC 8259), so the client got text; 0 with JSON's characters. The escaped newline stays allowed."""
+    forced = structure_of({"tools": TOOLS, "tool_choice": "required"})
+    mode = structure_of({"response_format": {"type": "json_object"}})
+    assert forced is not None and mode is not None
+    for structure, raw, escaped in (
+            (forced, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris\nFrance"}}\n</tool_call>',
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris\\nFrance"}}\n</tool_call>'),
+            (mode, '{"city": "Paris\tFrance"}', '{"city": "Paris\\tFrance"}')):
+        for text, whole in ((raw, False), (escaped, True)):
+            with engine.grammar(gbnf(structure)) as g:
+                assert all(g.accept(t) for t in engine.text_ids(text)) == whole, text
+        json.loads(escaped.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+
+
 def test_a_schema_without_a_grammar_is_the_clients_error_and_not_replayed(engine: LlamaEngine,
                                                                         reference: LlamaEngine) -> None:
     from neurons.model.grammar import GrammarError
@@ -293,7 +310,9 @@ async def test_sdk_parse_and_a_langchain_forced_tool_call_against_the_real_runti
                                                     temperature=0.7, seed=4)
         if mode.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(mode.choices[0].message.content or ""), dict)
-        forced = await client.chat.completions.create(model=model, messages=ask,
+        # greedy, as LangChain's below: sampled at the default temperature (a fresh seed each run) the 270M model ran
+        # an argument past 64 tokens in 9 of 400 calls at this prompt (CI beside hogs failed on one, 2026-12-07)
+        forced = await client.chat.completions.create(model=model, messages=ask, temperature=0,
                                                       tools=TOOLS, tool_choice="required", max_tokens=64)
         calls: Any = forced.choices[0].message.tool_calls
         assert forced.choices[0].finish_reason == "tool_calls" and calls, forced
