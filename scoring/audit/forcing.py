@@ -13,9 +13,11 @@ few numbers a verdict needs, per position:
   statistic whose spread ``sqrt(sum var)`` is known, so an honest sampled answer gives a z-score
   near 0 and one drawn from another distribution (another model, prompt or temperature) does not.
 * ``outside``: the token lies outside the asked nucleus ``top_p``, even taken a little wider than asked.
-  A nucleus's edge is where two runtimes' numerics disagree most: logits a few tenths of a nat apart
-  (token by token against one batched pass) move the cumulative mass at the edge of a flat row by 0.1
-  and more, so an honest token can sit just beyond it (:data:`NUCLEUS_SLACK`). The verdict counts such
+  A nucleus's edge is where two runtimes' numerics disagree most: token by token against one batched
+  pass, the chosen tokens' logits sit a few tenths of a nat apart (and a whole row of llama.cpp's
+  Q4_K_M model up to a few nats somewhere, ``neurons.reference.bands``), which moves the cumulative mass
+  at the edge of a flat row by 0.1 and more, so an honest token can sit just beyond it
+  (:data:`NUCLEUS_SLACK`). The verdict counts such
   a token as a miss, never as a failure by itself.
 * the stop row: the log-probability that the model ends its turn right after the last token.
 
