@@ -282,7 +282,8 @@ def _pooled(a: Row, b: Row) -> Row:
     res = LevelResult(a.concurrency, a.result.samples + b.result.samples, a.result.wall_s + b.result.wall_s)
     cpu = None if a.cpu_s is None or b.cpu_s is None else a.cpu_s + b.cpu_s
     rss = None if a.peak_rss is None or b.peak_rss is None else max(a.peak_rss, b.peak_rss)
-    return Row(a.path, a.concurrency, res, cpu, rss, a.rep_p50s + b.rep_p50s, a.rep_p99s + b.rep_p99s)
+    return Row(a.path, a.concurrency, res, cpu, rss, a.rep_p50s + b.rep_p50s, a.rep_p99s + b.rep_p99s,
+               a.rep_cpu_ms + b.rep_cpu_ms)
 
 
 def _signal_tree(pid: int | None, sig: int) -> None:
@@ -310,7 +311,9 @@ def _measure_one(a: argparse.Namespace, path: Path_, c: int, body: bytes, *, see
     p50 = percentile(res.ttfts_ms(), 50)
     print(f"  {name:8s} c={c:<4d} n={len(res.samples):<5d} ok={len(res.ok):<5d} "
           f"ttft p50={p50:7.2f} ms  rps={res.rps:7.1f}{err}", flush=True)
-    return Row(name, c, res, cpu, rss, [p50], [percentile(res.ttfts_ms(), 99)])
+    row = Row(name, c, res, cpu, rss, [p50], [percentile(res.ttfts_ms(), 99)])
+    row.rep_cpu_ms = [] if row.cpu_ms_per_req is None else [row.cpu_ms_per_req]
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -222,6 +222,25 @@ def test_the_cpu_bar_is_issue_40s_regression_bar_side_by_side() -> None:
     assert cpu_checks({("pyrelay", TARGET_C): row("pyrelay", 1.0)}, tokens=128) == []
 
 
+def test_the_cpu_bar_prints_the_ratio_of_each_repetition_beside_the_pooled_one() -> None:
+    """The pooled ratio moved 2.34-2.71x between runs of the same code on one machine, so each repetition's ratio
+    (the two paths ran one after the other) is printed too; a run with one repetition, or paths measured a different
+    number of times, prints none."""
+    from bench_lib.clients import LevelResult, Sample
+
+    def row(path: str, reps: list[float]) -> Row:  # CPU ms a request of each repetition, 100 answers each
+        result = LevelResult(TARGET_C, [Sample(True, 200, 0.05, 2.6, 128) for _ in range(100 * len(reps))])
+        return Row(path, TARGET_C, result, sum(reps) * 100 / 1000, None, rep_cpu_ms=reps)
+
+    def bare_detail(gw: Row, bare: Row) -> str:
+        return cpu_checks({("gateway", TARGET_C): gw, ("pyrelay", TARGET_C): bare}, tokens=128)[0][2]
+
+    detail = bare_detail(row("gateway", [24.0, 26.0, 30.0]), row("pyrelay", [10.0, 10.0, 10.0]))
+    assert "2.67x" in detail and detail.endswith("; by repetition 2.40-3.00x")
+    assert "by repetition" not in bare_detail(row("gateway", [24.0]), row("pyrelay", [10.0]))
+    assert "by repetition" not in bare_detail(row("gateway", [24.0, 26.0]), row("pyrelay", [10.0, 10.0, 10.0]))
+
+
 def test_routing_share_simulation_prints_each_miners_requests_against_its_scores() -> None:
     """The router simulation (issue 38's pair) runs the product router and prints, per level of busy slots, each
     miner's requests against an honest card's beside its scores' share. They agree at every level: with exact
