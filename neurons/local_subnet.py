@@ -14,6 +14,9 @@ serving either
 machine): the run reads the miner's hotkey from its ``/health`` and registers it on the local chain;
 the banner prints the validator hotkey that miner must ``--allow``.
 
+The validator's state and the local chain stay in ``--state-dir`` from run to run of the same lineup; a run with
+other local miners under the same development keys starts fresh (:mod:`neurons.local_lineup`).
+
 Example::
 
     python -m neurons.validator --local --local.rounds 6
@@ -27,6 +30,7 @@ import asyncio
 import contextlib
 import random
 import secrets
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +40,7 @@ from loguru import logger
 
 from .chain.local import LocalChain
 from .keys import dev_keypair
+from .local_lineup import claim_state_dir, lineup_of, miner_label, miner_model
 from .miner.runtimes.base import Runtime
 from .miner.runtimes.sim import PROFILES, SimulatedRuntime
 from .miner.server import start_miner
@@ -114,8 +119,8 @@ async def _runtime(cfg: ValidatorConfig, i: int, rng: random.Random, subnet_runt
                           generate=CHEATS[cheat] if cheat else None)
         subnet_runtimes.append(rt)
         await rt.start()
-        return rt, f"cheat: {cheat}" if cheat else "llama.cpp gemma-3-270m (CPU)", 1
-    profile = "rtx5090-slow" if (i == cfg.local_miners - 1 and cfg.local_miners > 1) else "rtx5090"
+        return rt, miner_label(cfg, i), 1
+    profile = miner_label(cfg, i)
     return SimulatedRuntime(PROFILES[profile], rng=random.Random(rng.random())), profile, 4
 
 
@@ -136,6 +141,10 @@ async def _external_hotkey(url: str) -> str:
 
 async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> LocalSubnet:
     cfg = local_config(cfg)
+    moved = claim_state_dir(cfg.state_dir, lineup_of(cfg), now=time.time())
+    if moved is not None:  # before anything opens the directory: its miners were other runtimes under the same keys
+        logger.warning("the state in {} was written by another local lineup (other runtimes or models under the "
+                       "same miner keys): set aside as {}; this run starts fresh", cfg.state_dir, moved)
     rng = random.Random(seed if seed is not None else cfg.seed)
     vkey = dev_keypair(VALIDATOR_URI)
     chain = LocalChain.open(cfg.state_dir / "chain", cfg.netuid, wallet=vkey, block_time=cfg.local_block_time,
@@ -151,7 +160,8 @@ async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -
             mkey = dev_keypair(f"Miner{i + 1}")
             runtime, label, slots = await _runtime(cfg, i, rng, runtimes)
             # with several models (--gateway.models a,b) the miners serve them in turn, each declaring its own
-            models = (cfg.models[i % len(cfg.models)],) if len(cfg.models) > 1 else ()
+            model = miner_model(cfg, i)
+            models = (model,) if model is not None else ()
             runner, port = await start_miner(mkey, runtime, slots=slots, trust=trust, host="127.0.0.1", port=0,
                                              contexts=slots if cfg.local_runtime == "real" else None, models=models)
             runners.append(runner)

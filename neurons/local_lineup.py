@@ -1,0 +1,77 @@
+"""Which miners a local run's state belongs to: a state directory is reused only by the same lineup.
+
+The local subnet's miners sign with the same development keys on every run (``Miner1``, ``Miner2``, ...), whatever
+they run, and the validator keeps its scoring state (rounds, audits, strikes, quarantines, routing) and the local
+chain in one directory across runs, as it does on a real chain, where a restart must not forget a cheater. Across
+*lineups* that carried blame to another miner: after the README's real-model run with a cheat (``Miner3`` answering
+garbage), the simulated main job's honest ``Miner3`` started quarantined and ended at weight 0 (measured: 11 strikes
+in its last 20 audits, weight 0.0000 after three rounds).
+
+So the directory records the lineup it was written by (:data:`LINEUP_FILE`: each development key's runtime and
+model), and a run with another lineup sets the old state aside, renamed beside it with the time, and starts fresh.
+Nothing is deleted; the same lineup keeps its state, so a restarted local run still shows the validator restoring it.
+
+Example::
+
+    moved = claim_state_dir(Path("~/.tensorgate/local").expanduser(), lineup_of(cfg), now=time.time())
+    # None: fresh or the same lineup; else where the other lineup's state now lies
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .validator.config import ValidatorConfig
+
+LINEUP_FILE = "local-lineup.json"
+REAL_LABEL = "llama.cpp gemma-3-270m (CPU)"
+
+
+def miner_label(cfg: ValidatorConfig, i: int) -> str:
+    """What local miner ``i`` runs (the cheats come after the honest miners): its label in the banner and summary."""
+    if cfg.local_runtime == "real":
+        cheat = cfg.local_cheats[i - cfg.local_miners] if i >= cfg.local_miners else None
+        return f"cheat: {cheat}" if cheat else REAL_LABEL
+    return "rtx5090-slow" if (i == cfg.local_miners - 1 and cfg.local_miners > 1) else "rtx5090"
+
+
+def miner_model(cfg: ValidatorConfig, i: int) -> str | None:
+    """The one model local miner ``i`` declares when the run serves several (in turn), else None (all of them)."""
+    return cfg.models[i % len(cfg.models)] if len(cfg.models) > 1 else None
+
+
+def lineup_of(cfg: ValidatorConfig) -> dict[str, Any]:
+    """Each development key's runtime and model (``cfg`` as :func:`neurons.local_subnet.local_config` made it).
+    Miners added with ``--local.miner-url`` are left out: they sign with keys of their own."""
+    n = cfg.local_miners + len(cfg.local_cheats)
+    return {"runtime": cfg.local_runtime, "models": list(cfg.models),
+            "miners": [{"key": f"Miner{i + 1}", "runs": miner_label(cfg, i), "model": miner_model(cfg, i)}
+                       for i in range(n)]}
+
+
+def claim_state_dir(state_dir: Path, lineup: dict[str, Any], *, now: float) -> Path | None:
+    """Make ``state_dir`` this lineup's: a directory written by another lineup (or by a version that did not
+    record one) is renamed to ``<name>.<time>`` beside it. Returns that path, or None when nothing moved."""
+    record = state_dir / LINEUP_FILE
+    moved: Path | None = None
+    if state_dir.exists() and any(state_dir.iterdir()) and _read(record) != lineup:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        moved = state_dir.with_name(f"{state_dir.name}.{stamp}")
+        n = 1
+        while moved.exists():
+            n += 1
+            moved = state_dir.with_name(f"{state_dir.name}.{stamp}-{n}")
+        state_dir.rename(moved)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(lineup, indent=1) + "\n")
+    return moved
+
+
+def _read(record: Path) -> Any:
+    try:
+        return json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None  # absent or unreadable: not this lineup's
