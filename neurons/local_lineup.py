@@ -10,6 +10,8 @@ in its last 20 audits, weight 0.0000 after three rounds).
 So the directory records the lineup it was written by (:data:`LINEUP_FILE`: each development key's runtime and
 model), and a run with another lineup sets the old state aside, renamed beside it with the time, and starts fresh.
 Nothing is deleted; the same lineup keeps its state, so a restarted local run still shows the validator restoring it.
+A directory with no record (written before records were kept, or by hand) is taken as it is: what is in it is
+checked as before, and a corrupt file still stops the run with its clear error rather than vanishing aside.
 
 Example::
 
@@ -53,11 +55,12 @@ def lineup_of(cfg: ValidatorConfig) -> dict[str, Any]:
 
 
 def claim_state_dir(state_dir: Path, lineup: dict[str, Any], *, now: float) -> Path | None:
-    """Make ``state_dir`` this lineup's: a directory written by another lineup (or by a version that did not
-    record one) is renamed to ``<name>.<time>`` beside it. Returns that path, or None when nothing moved."""
+    """Make ``state_dir`` this lineup's: a directory another lineup recorded is renamed to ``<name>.<time>`` beside
+    it. Returns that path, or None when nothing moved."""
     record = state_dir / LINEUP_FILE
     moved: Path | None = None
-    if state_dir.exists() and any(state_dir.iterdir()) and _read(record) != lineup:
+    written_by = _read(record)
+    if written_by is not None and written_by != lineup:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
         moved = state_dir.with_name(f"{state_dir.name}.{stamp}")
         n = 1
@@ -66,7 +69,9 @@ def claim_state_dir(state_dir: Path, lineup: dict[str, Any], *, now: float) -> P
             moved = state_dir.with_name(f"{state_dir.name}.{stamp}-{n}")
         state_dir.rename(moved)
     state_dir.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(lineup, indent=1) + "\n")
+    partial = record.with_name(record.name + ".partial")
+    partial.write_text(json.dumps(lineup, indent=1) + "\n")
+    partial.replace(record)  # whole or not at all: a run killed here leaves the old record or the new one
     return moved
 
 
@@ -74,4 +79,4 @@ def _read(record: Path) -> Any:
     try:
         return json.loads(record.read_text())
     except (OSError, ValueError):
-        return None  # absent or unreadable: not this lineup's
+        return None  # absent or unreadable: no lineup recorded

@@ -61,13 +61,17 @@ def test_another_lineup_sets_the_state_aside_and_loses_nothing(tmp_path: Path) -
     assert again is not None and again != moved and moved.is_dir()
 
 
-def test_state_without_a_lineup_record_is_set_aside(tmp_path: Path) -> None:
-    """A directory from before lineups were recorded cannot say whose it is: it starts fresh once."""
-    state = tmp_path / "local"
+def test_state_without_a_lineup_record_is_taken_as_it_is(tmp_path: Path) -> None:
+    """A directory from before lineups were recorded (or made by hand) stays where it is, so what is in it is checked
+    as before: a corrupt file still stops the run with its clear error (tests/test_validator.py,
+    tests/test_chain_local.py) instead of being moved out of sight."""
+    state, sim = tmp_path / "local", lineup_of(local_config(_sim(tmp_path)))
     state.mkdir()
     (state / "validator.sqlite").write_bytes(b"old")
-    moved = claim_state_dir(state, lineup_of(local_config(_sim(tmp_path))), now=NOW)
-    assert moved is not None and (moved / "validator.sqlite").read_bytes() == b"old"
+    assert claim_state_dir(state, sim, now=NOW) is None
+    assert (state / "validator.sqlite").read_bytes() == b"old"
+    assert json.loads((state / LINEUP_FILE).read_text()) == sim
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]
 
 
 async def test_the_local_subnet_starts_fresh_after_another_lineup(tmp_path: Path) -> None:
