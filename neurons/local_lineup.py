@@ -32,10 +32,15 @@ LINEUP_FILE = "local-lineup.json"
 REAL_LABEL = "llama.cpp gemma-3-270m (CPU)"
 
 
+def miner_cheat(cfg: ValidatorConfig, i: int) -> str | None:
+    """The cheat local miner ``i`` runs, if any: the cheats come after the honest miners (real runtime only)."""
+    return cfg.local_cheats[i - cfg.local_miners] if i >= cfg.local_miners else None
+
+
 def miner_label(cfg: ValidatorConfig, i: int) -> str:
-    """What local miner ``i`` runs (the cheats come after the honest miners): its label in the banner and summary."""
+    """What local miner ``i`` runs: its label in the banner and summary."""
     if cfg.local_runtime == "real":
-        cheat = cfg.local_cheats[i - cfg.local_miners] if i >= cfg.local_miners else None
+        cheat = miner_cheat(cfg, i)
         return f"cheat: {cheat}" if cheat else REAL_LABEL
     return "rtx5090-slow" if (i == cfg.local_miners - 1 and cfg.local_miners > 1) else "rtx5090"
 

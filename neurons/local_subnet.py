@@ -40,7 +40,7 @@ from loguru import logger
 
 from .chain.local import LocalChain
 from .keys import dev_keypair
-from .local_lineup import claim_state_dir, lineup_of, miner_label, miner_model
+from .local_lineup import claim_state_dir, lineup_of, miner_cheat, miner_label, miner_model
 from .miner.runtimes.base import Runtime
 from .miner.runtimes.sim import PROFILES, SimulatedRuntime
 from .miner.server import start_miner
@@ -113,7 +113,7 @@ async def _runtime(cfg: ValidatorConfig, i: int, rng: random.Random, subnet_runt
         from .miner.runtimes.llama import LlamaRuntime
         from .model.packaged import model_path
 
-        cheat = cfg.local_cheats[i - cfg.local_miners] if i >= cfg.local_miners else None
+        cheat = miner_cheat(cfg, i)
         path = await asyncio.to_thread(model_path)  # assembles the packaged model once (hashing ~250 MB)
         rt = LlamaRuntime(path, slots=1, threads=1, model=cfg.models[0], seed=rng.getrandbits(32),
                           generate=CHEATS[cheat] if cheat else None)

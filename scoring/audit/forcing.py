@@ -17,8 +17,7 @@ few numbers a verdict needs, per position:
   pass, the chosen tokens' logits sit a few tenths of a nat apart (and a whole row of llama.cpp's
   Q4_K_M model up to a few nats somewhere, ``neurons.reference.bands``), which moves the cumulative mass
   at the edge of a flat row by 0.1 and more, so an honest token can sit just beyond it
-  (:data:`NUCLEUS_SLACK`). The verdict counts such
-  a token as a miss, never as a failure by itself.
+  (:data:`NUCLEUS_SLACK`). The verdict counts such a token as a miss, never as a failure by itself.
 * the stop row: the log-probability that the model ends its turn right after the last token.
 
 A **seeded** sampled answer (the subnet's sampler, :func:`gateway.protocol.sampling.seeded_token`)
