@@ -20,6 +20,8 @@ import re
 from typing import Any
 
 from .errors import bad_request
+from .json_schema import SchemaError
+from .structure import check_structure, structure_of
 
 TOOLS, RESPONSE_FORMAT, LOGPROBS, LOGIT_BIAS, TOP_K, MIN_P = (
     "tools", "response_format", "logprobs", "logit_bias", "top_k", "min_p")
@@ -54,7 +56,22 @@ def features(body: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     needs: set[str] = set()
     for field in (_tool_fields, _response_format, _logprobs, _logit_bias, _top_k_min_p):
         field(body, out, needs)
+    _grammar_schemas(out)
     return out, needs
+
+
+def _grammar_schemas(out: dict[str, Any]) -> None:
+    """The schemas the answer will be decoded under, checked against the subnet's subset and bounds
+    (:mod:`gateway.protocol.json_schema`) before any miner sees them: a schema a runtime cannot compile safely is the
+    client's 400, never a miner's failure or crash."""
+    structure = structure_of(out)
+    if structure is None:
+        return
+    index = {t["function"]["name"]: i for i, t in enumerate(out.get("tools") or ())}
+    try:
+        check_structure(structure, lambda name: f"tools[{index[name]}].function.parameters")
+    except SchemaError as e:
+        raise bad_request(str(e), param=e.param, code="invalid_schema") from None
 
 
 def _tool_fields(body: dict[str, Any], out: dict[str, Any], needs: set[str]) -> None:

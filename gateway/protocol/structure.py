@@ -21,8 +21,11 @@ Example::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .json_schema import Budget, check_schema
 
 JSON_OBJECT, JSON_SCHEMA, TOOL_CALL = "json_object", "json_schema", "tool_call"
 KINDS = (JSON_OBJECT, JSON_SCHEMA, TOOL_CALL)
@@ -76,6 +79,23 @@ def structure_of(payload: dict[str, Any]) -> Structure | None:
         spec = rf.get("json_schema")
         return Structure(JSON_SCHEMA, _dumps((spec.get("schema") if isinstance(spec, dict) else None) or {}))
     return None
+
+
+def check_structure(structure: Structure, tool_param: Callable[[str], str] | None = None) -> None:
+    """Refuse (:class:`~gateway.protocol.json_schema.SchemaError`, naming the field) a structure whose schemas are
+    outside the subnet's subset or its bounds, together: they make one grammar. Only what becomes a grammar is
+    checked, so a tool offered but not forced is only prompt text and keeps any schema. ``tool_param``: the path of
+    a function's ``parameters`` in the request, by the function's name."""
+    budget = Budget()
+    if structure.kind == JSON_SCHEMA:
+        try:
+            schema = json.loads(structure.schema or "{}")
+        except ValueError:
+            schema = None
+        check_schema(schema, "response_format.json_schema.schema", budget)
+    elif structure.kind == TOOL_CALL:
+        for name, params in structure.functions:
+            check_schema(params, tool_param(name) if tool_param else f"tools[{name}].function.parameters", budget)
 
 
 def _dumps(obj: Any) -> str:

@@ -33,10 +33,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from gateway.protocol.json_schema import SchemaError
 from gateway.protocol.sampling import SamplingParams, gumbel_at
-from gateway.protocol.structure import JSON_OBJECT, JSON_SCHEMA, TOOL_CALL, Structure
+from gateway.protocol.structure import JSON_OBJECT, JSON_SCHEMA, TOOL_CALL, Structure, check_structure
 from gateway.protocol.tools import CLOSE, OPEN
 
+# What llama.cpp is handed at most: its grammar parser recurses once a nested group, on the calling thread's stack
+# (20,000 nested groups killed the miner and the reference with SIGSEGV, issue 56). The schema bounds
+# (gateway.protocol.json_schema) keep an admitted schema's grammar far under both; these hold whatever reaches here.
+MAX_GRAMMAR_BYTES = 512 * 1024
+MAX_GRAMMAR_NESTING = 768
 MASKED = np.float32(-1e30)  # a disallowed token's logit: finite (no NaN in any moment), and never drawn
 SHORTLIST = 64  # best-scored tokens asked about first
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])  # llama_token_data
@@ -56,7 +62,54 @@ JSON_CHAR = r'[^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F] [0-9a-fA-F] 
 
 
 def gbnf(structure: Structure) -> str:
-    """The grammar an answer of ``structure`` is decoded under."""
+    """The grammar an answer of ``structure`` is decoded under, built only from a structure inside the subnet's
+    schema subset and bounds (:func:`~gateway.protocol.structure.check_structure`, as the gateway checked it), and
+    refused when its text is over what llama.cpp can safely parse (:func:`bounded`)."""
+    try:
+        check_structure(structure)
+    except SchemaError as e:
+        raise GrammarError(f"the response's schema is outside the subnet's subset: {e}") from None
+    return bounded(_convert(structure))
+
+
+def bounded(text: str) -> str:
+    """``text`` when llama.cpp may parse it: at most :data:`MAX_GRAMMAR_BYTES`, its groups nested at most
+    :data:`MAX_GRAMMAR_NESTING` deep (outside literals and character classes); else a :class:`GrammarError`."""
+    if len(text) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar is {len(text)} bytes, over {MAX_GRAMMAR_BYTES}")
+    if _nesting(text) > MAX_GRAMMAR_NESTING:
+        raise GrammarError(f"the grammar nests groups over {MAX_GRAMMAR_NESTING} deep")
+    return text
+
+
+def _nesting(text: str) -> int:
+    """How deep ``(`` groups nest in GBNF ``text``: quoted literals and ``[...]`` classes skipped, escapes too."""
+    deepest = depth = 0
+    quote: str | None = None  # '"' inside a literal, ']' inside a class
+    escaped = False
+    for c in text:
+        if quote is not None:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == quote:
+                quote = None
+        elif c == '"':
+            quote = '"'
+        elif c == "[":
+            quote = "]"
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        elif c == "\n":
+            depth = 0
+    return deepest
+
+
+def _convert(structure: Structure) -> str:
     converter = _converter()
     try:
         if structure.kind in (JSON_OBJECT, JSON_SCHEMA):

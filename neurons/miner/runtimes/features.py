@@ -22,13 +22,28 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from gateway.protocol.json_schema import SchemaError
 from gateway.protocol.openai import LOGPROBS, RESPONSE_FORMAT, TOOLS
 from gateway.protocol.sampling import log_softmax
 from gateway.protocol.sse import ChunkFramer, frame
+from gateway.protocol.structure import check_structure, structure_of
 from gateway.protocol.tools import OPEN, could_be_call, parse_tool_calls
 from neurons.model.toy import MODEL
 
 SIMULATED_FEATURES = frozenset({TOOLS, RESPONSE_FORMAT, LOGPROBS})
+
+
+def schema_problem(payload: dict[str, Any]) -> str | None:
+    """Why the request's schemas are outside the subnet's subset or bounds (what a real runtime would not compile),
+    or None: the simulated card refuses what the gateway refuses, so no schema makes it build an instance without
+    bound (a ``minLength`` of 10^12 did)."""
+    structure = structure_of(payload)
+    try:
+        if structure is not None:
+            check_structure(structure)
+    except SchemaError as e:
+        return str(e)
+    return None
 
 
 def tool_to_call(payload: dict[str, Any]) -> str | None:
@@ -75,16 +90,22 @@ _FORMATS = {"date-time": "2026-01-01T00:00:00Z", "date": "2026-01-01", "time": "
             "email": "user@example.com", "uri": "https://example.com", "uuid": "00000000-0000-4000-8000-000000000000"}
 
 
-def instance_of(schema: Any, text: str, defs: dict[str, Any] | None = None, depth: int = 0) -> Any:
+def instance_of(schema: Any, text: str, defs: dict[str, Any] | None = None, depth: int = 0,
+                room: list[int] | None = None) -> Any:
     """A valid instance of the JSON ``schema`` (the subset clients send: types, properties, items, enum, const,
     anyOf/oneOf/allOf, local ``$ref``s, string formats and lengths, number bounds) with ``text`` in its strings: what
-    the simulated card answers where a real runtime decodes under the schema's grammar."""
+    the simulated card answers where a real runtime decodes under the schema's grammar. Optional properties and
+    items past ``minItems`` are written while ``room`` (values, shared by the whole instance) lasts: through
+    ``$ref``s an instance of every property can outgrow any answer, the shortest one is bounded by the gateway
+    (:mod:`gateway.protocol.json_schema`)."""
+    room = [256] if room is None else room
+    room[0] -= 1
     if not isinstance(schema, dict) or depth > 16:
         return None
     defs = {**(defs or {}), **schema.get("$defs", {}), **schema.get("definitions", {})}
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/"):
-        return instance_of(defs.get(ref.rsplit("/", 1)[-1]), text, defs, depth + 1)
+        return instance_of(defs.get(ref.rsplit("/", 1)[-1]), text, defs, depth + 1, room)
     if "const" in schema:
         return schema["const"]
     if isinstance(schema.get("enum"), list) and schema["enum"]:
@@ -92,15 +113,18 @@ def instance_of(schema: Any, text: str, defs: dict[str, Any] | None = None, dept
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(schema.get(key), list) and schema[key]:
             options = [s for s in schema[key] if not (isinstance(s, dict) and s.get("type") == "null")] or schema[key]
-            return instance_of(options[0], text, defs, depth + 1)
+            return instance_of(options[0], text, defs, depth + 1, room)
     kind = schema.get("type", "object" if "properties" in schema else "string")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object":
-        return {k: instance_of(v, text, defs, depth + 1) for k, v in (schema.get("properties") or {}).items()}
+        required = schema.get("required") or ()
+        return {k: instance_of(v, text, defs, depth + 1, room) for k, v in (schema.get("properties") or {}).items()
+                if k in required or room[0] > 0}
     if kind == "array":
-        return [instance_of(schema.get("items", {}), text, defs, depth + 1)
-                for _ in range(max(1, int(schema.get("minItems", 1))))]
+        least = int(schema.get("minItems", 0))
+        return [instance_of(schema.get("items", {}), text, defs, depth + 1, room)
+                for _ in range(max(1, least) if room[0] > 0 else least)]
     if kind in ("integer", "number"):
         bounds = (schema.get("minimum"), schema.get("exclusiveMinimum"))
         low = next((v for v in bounds if isinstance(v, int | float)), 0)

@@ -55,6 +55,7 @@ from .features import (
     call_arguments,
     call_frames,
     pieces,
+    schema_problem,
     tool_to_call,
     toy_logprobs,
     wants_json,
@@ -264,12 +265,19 @@ class SimulatedRuntime:
         self._prefill_free_at = start + prompt_tokens / p.prefill_tok_s / p.time_scale
         return start - now + (p.ttft_s(prompt_tokens, others) * self._factor() + p.hang_s) / p.time_scale
 
+    def _refuse(self, payload: dict[str, Any]) -> None:
+        """The profile's failures, and a schema a real runtime would not compile (the client's 400)."""
+        if self.profile.fail_rate > 0 and self._rng.random() < self.profile.fail_rate:
+            raise RuntimeFailure("simulated runtime failure", status=500, type="server_error", code="sim_failure")
+        problem = schema_problem(payload)
+        if problem is not None:
+            raise RuntimeFailure(problem, status=400, type="invalid_request_error", code="invalid_value")
+
     async def stream(self, payload: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         """Serve one chat completion as SSE frames; raises :class:`RuntimeFailure` before the first frame."""
         p = self.profile
         rng = self._rng
-        if p.fail_rate > 0 and rng.random() < p.fail_rate:
-            raise RuntimeFailure("simulated runtime failure", status=500, type="server_error", code="sim_failure")
+        self._refuse(payload)
         loop = asyncio.get_running_loop()
         ts = p.time_scale
         prompt_tokens = estimate_prompt_tokens(payload.get("messages"))
