@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import json
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,36 @@ def claim_state_dir(state_dir: Path, lineup: dict[str, Any], *, now: float) -> P
     return moved
 
 
+class LineupRecordError(ValueError):
+    """The lineup record is there but is no record this code wrote (a directory, a FIFO, text that is not a small
+    JSON object): one line for the operator, and the run stops (exit 2) rather than guess whose state it is."""
+
+
+MAX_RECORD_BYTES = 1 << 20  # a record is a few hundred bytes; a larger file is not one
+
+
 def _read(record: Path) -> Any:
+    """The recorded lineup, or None when there is no record. Only a regular file is opened: a FIFO would block the
+    start for ever, a directory cannot be replaced by the new record."""
     try:
-        return json.loads(record.read_text())
-    except (OSError, ValueError):
-        return None  # absent or unreadable: no lineup recorded
+        mode = record.lstat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise LineupRecordError(f"{record}: cannot read the local lineup record ({e.strerror or e})") from None
+    if not stat.S_ISREG(mode):
+        raise LineupRecordError(f"{record}: the local lineup record is not a regular file: move it aside to start")
+    try:
+        with record.open("rb") as f:
+            text = f.read(MAX_RECORD_BYTES + 1)
+        if len(text) > MAX_RECORD_BYTES:
+            raise ValueError(f"over {MAX_RECORD_BYTES} bytes")
+        found = json.loads(text)
+    except OSError as e:
+        raise LineupRecordError(f"{record}: cannot read the local lineup record ({e.strerror or e})") from None
+    except (ValueError, RecursionError) as e:
+        raise LineupRecordError(f"{record}: the local lineup record is not JSON this code wrote ({str(e)[:80]}): "
+                                "move it aside to start") from None
+    if not isinstance(found, dict):
+        raise LineupRecordError(f"{record}: the local lineup record is not a JSON object: move it aside to start")
+    return found

@@ -124,6 +124,10 @@ async def _runtime(cfg: ValidatorConfig, i: int, rng: random.Random, subnet_runt
     return SimulatedRuntime(PROFILES[profile], rng=random.Random(rng.random())), profile, 4
 
 
+class ExternalMinerError(RuntimeError):
+    """A miner named with ``--local.miner-url`` cannot join: one line for the operator (exit 2)."""
+
+
 async def _external_hotkey(url: str) -> str:
     """The hotkey an external miner serves under, from its ``/health``."""
     base = url if "://" in url else f"http://{url}"
@@ -132,10 +136,11 @@ async def _external_hotkey(url: str) -> str:
                                                        timeout=aiohttp.ClientTimeout(total=5)) as r:
             body = await r.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-        raise RuntimeError(f"--local.miner-url {url}: no miner answers GET /health ({e!r})") from None
+        raise ExternalMinerError(f"--local.miner-url {url}: no miner answers GET /health within 5 s "
+                                 f"({type(e).__name__}{f': {e}' if str(e) else ''})") from None
     hotkey = body.get("hotkey") if isinstance(body, dict) else None
     if not isinstance(hotkey, str) or not hotkey:
-        raise RuntimeError(f"--local.miner-url {url}: /health names no hotkey (is it a tensorgate miner?)")
+        raise ExternalMinerError(f"--local.miner-url {url}: /health names no hotkey (is it a tensorgate miner?)")
     return hotkey
 
 

@@ -105,6 +105,8 @@ def _coerce(action: argparse.Action, raw: Any, where: str, from_env: bool) -> An
         items = [s.strip() for s in str(raw).split(",") if s.strip()] if from_env else raw
         if not isinstance(items, list):
             raise SettingsError(f"{where}: a repeatable setting is a list, got {raw!r}")
+        if not items:  # an empty variable is a mistake, not "the default": unset it to mean that
+            raise SettingsError(f"{where}: empty; give at least one value, or leave the setting out for its default")
         return [_one(action, item, where) for item in items]
     return _one(action, raw, where)
 

@@ -602,3 +602,29 @@ async def test_a_valid_request_pipelined_before_bad_http_is_answered_first(gw) -
                              done=lambda out: out.count(b"HTTP/1.") >= 2)
     assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
     assert answer.count(b"HTTP/1.") == 2 and b" 400 " in answer.split(b"HTTP/1.")[2][:20]
+
+
+async def test_an_exception_that_reaches_the_servers_error_hook_is_logged_with_its_traceback() -> None:
+    """Issue 56: a 500 ``internal_error`` answered with nothing logged hid what failed (the hook dropped it)."""
+    from loguru import logger
+
+    from gateway.http.server import HttpServer
+
+    async def app(scope, receive, send) -> None:
+        raise RuntimeError("the app broke\nFORGED line")
+
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="ERROR", format="{message}\n{exception}")
+    server = HttpServer(app, port=0)
+    await server.start()
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", server.port)
+        w.write(b"GET /x%0Ay HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(r.read(), 5)
+        w.close()
+    finally:
+        await server.stop()
+        logger.remove(sink)
+    assert answer.startswith(b"HTTP/1.1 500") and b"internal_error" in answer
+    said = "".join(lines)
+    assert "internal error answering GET '/x\\ny'" in said and "RuntimeError" in said and "Traceback" in said, said

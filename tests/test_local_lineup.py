@@ -8,10 +8,14 @@ sets the earlier state aside (renamed, nothing deleted) and starts fresh; the sa
 from __future__ import annotations
 
 import json
+import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 
-from neurons.local_lineup import LINEUP_FILE, claim_state_dir, lineup_of
+import pytest
+
+from neurons.local_lineup import LINEUP_FILE, LineupRecordError, claim_state_dir, lineup_of
 from neurons.local_subnet import local_config, start_local_subnet, stop_local_subnet
 from neurons.validator.config import ValidatorConfig
 
@@ -90,3 +94,47 @@ def _assert_set_aside_once(parent: Path, state: Path) -> None:
     aside = [p for p in parent.iterdir() if p.name.startswith("local.")]
     assert len(aside) == 1 and (aside[0] / "validator.sqlite").read_bytes() == b"not this lineup's"
     assert json.loads((state / LINEUP_FILE).read_text()) == lineup_of(local_config(_sim(state)))
+
+
+def test_a_lineup_record_that_is_no_record_is_one_line_and_exit_2(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 56: 100,000 nested brackets and a directory were tracebacks, a FIFO hung the start."""
+    from neurons.validator.cli import main
+
+    for i, make in enumerate((lambda p: p.write_text("[" * 100_000), lambda p: p.mkdir(),
+                              lambda p: p.write_text('"a string"'))):
+        state = tmp_path / f"s{i}"
+        state.mkdir()
+        make(state / LINEUP_FILE)
+        assert main(["--local", "--local.rounds", "1", "--state-dir", str(state), "--gateway.port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert "local lineup record" in err and "move it aside" in err and "Traceback" not in err, err[-2000:]
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / LINEUP_FILE)
+    failed: list[BaseException] = []
+    reader = threading.Thread(target=lambda: _claim_into(fifo, failed), daemon=True)
+    reader.start()
+    reader.join(10.0)
+    if reader.is_alive():  # the old code blocks on open(): unblock it, so the test fails instead of hanging
+        with open(fifo / LINEUP_FILE, "w"):
+            pass
+    assert not reader.is_alive() and len(failed) == 1 and isinstance(failed[0], LineupRecordError), failed
+
+
+def _claim_into(state: Path, failed: list[BaseException]) -> None:
+    try:
+        claim_state_dir(state, lineup_of(_sim(state)), now=NOW)
+    except BaseException as e:  # noqa: BLE001 - the test reads what was raised
+        failed.append(e)
+
+
+def test_an_unreachable_miner_url_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from neurons.validator.cli import main
+    from tests.redis_server import free_port
+
+    url = f"127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["--local", "--local.rounds", "1", "--state-dir", str(tmp_path), "--gateway.port", "0",
+                 "--local.miner-url", url]) == 2
+    err = capsys.readouterr().err
+    assert f"--local.miner-url {url}: no miner answers GET /health" in err and "Traceback" not in err, err[-2000:]

@@ -45,6 +45,8 @@ def test_precedence_is_flag_then_environment_then_file(tmp_path: Path) -> None:
     ("not toml [\n", {}, "not TOML"),
     ("", {"TENSORGATE_AUDIT_RATE": "lots"}, "$TENSORGATE_AUDIT_RATE: invalid value 'lots'"),
     ("", {"TENSORGATE_LOCAL": "maybe"}, "$TENSORGATE_LOCAL: a switch is true or false"),
+    ("", {"TENSORGATE_GATEWAY_MODEL": ""}, "$TENSORGATE_GATEWAY_MODEL: empty"),  # issue 56: accepted silently
+    ("", {"TENSORGATE_GATEWAY_MODEL": " , "}, "$TENSORGATE_GATEWAY_MODEL: empty"),
 ])
 def test_a_bad_setting_is_one_line_naming_its_source_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                 text: str, env: dict[str, str], needle: str) -> None:

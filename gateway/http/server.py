@@ -202,6 +202,10 @@ class _Connection(web.RequestHandler):
             text, code = "malformed HTTP request", "bad_request"
         else:
             text, code = "internal error", "internal_error"
+            # a fault of ours, never the client's: said with its traceback (a 500 nothing logged hid issue 56's
+            # Redis-down admission failure)
+            logger.opt(exception=exc).error("internal error answering {} {!r}: {!r}", request.method,
+                                            request.path, exc)  # repr: a client's %0A forges no log line
         body = json.dumps(error_body(text, code=code), separators=(",", ":"))
         resp = web.Response(status=status, text=body, content_type="application/json")
         resp.force_close()

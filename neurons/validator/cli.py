@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..chain.local_files import CorruptChainState
     from ..chain.subtensor import ChainSeamError
     from ..keys import MissingKeyError
+    from ..local_lineup import LineupRecordError
+    from ..local_subnet import ExternalMinerError
     from ..model.packaged import ModelUnavailable
     from ..reference.bands import BandsFileError
 
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("stopped")
         return 0
     except (MissingKeyError, ChainSeamError, StateError, ModelUnavailable, ProfileError, CorruptChainState,
-            KeysFileError, BandsFileError, ListenError) as e:
+            KeysFileError, BandsFileError, ListenError, LineupRecordError, ExternalMinerError) as e:
         logger.error("{}", e)
         return 2
 
