@@ -36,3 +36,24 @@ async def test_a_connection_that_closed_is_not_brought_back_by_its_request_endin
     assert clock.phase("a") is None and len(clock) == 0
     await asyncio.sleep(0.1)
     assert closed == []
+
+
+async def test_a_request_stalled_on_its_body_is_evicted_after_the_idle_ones_once_stalled_long_enough() -> None:
+    closed: list[str] = []
+    clock = ConnectionDeadlines(asyncio.get_running_loop(), head_s=5.0, idle_s=5.0, expire=closed.append,
+                                stall_s=0.1)
+    for c in ("a", "b", "idle"):
+        clock.opened(c)
+        clock.request_started(c)
+    clock.request_done("idle")
+    clock.waiting_for_body("a", True)
+    clock.waiting_for_body("b", True)
+    assert clock.evict_idle() and closed == ["idle"]  # the idle one first, whatever the stalls
+    assert not clock.evict_idle()  # a and b have waited under stall_s: a body in flight is not cut
+    await asyncio.sleep(0.15)
+    clock.waiting_for_body("b", False)  # b's bytes came
+    clock.waiting_for_body("b", True)  # and it waits again: its stall starts over
+    assert clock.evict_idle() and closed == ["idle", "a"]  # the longest stalled
+    assert not clock.evict_idle()  # b: stalled under stall_s again
+    clock.request_done("b")  # an answered request is idle, no longer stalled
+    assert clock.evict_idle() and closed[-1] == "b" and clock.evicted == 3

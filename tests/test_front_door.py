@@ -628,3 +628,32 @@ async def test_an_exception_that_reaches_the_servers_error_hook_is_logged_with_i
     assert answer.startswith(b"HTTP/1.1 500") and b"internal_error" in answer
     said = "".join(lines)
     assert "internal error answering GET '/x\\ny'" in said and "RuntimeError" in said and "Traceback" in said, said
+
+
+async def test_heads_whose_bodies_never_come_do_not_lock_fresh_clients_out_at_the_cap(make_miner, make_gateway
+                                                                                      ) -> None:
+    """Issue 56: eight authenticated heads with ``Content-Length: 100`` and no body at a cap of 8 held it for the body
+    deadline (30 s), and fresh clients got 503 for 25 s of every 30. A body stalled past a second is closed to make
+    room, as an idle connection is; a request still sending its body is not."""
+    m = await make_miner(Script("ok", tokens=3))
+    h = await make_gateway([m], max_connections=8)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n" + AUTH + b"Content-Length: 100\r\n\r\n"
+    stalled = []
+    for _ in range(8):
+        r, w = await asyncio.open_connection("127.0.0.1", h.gateway.port)
+        w.write(head)
+        stalled.append((r, w))
+    try:
+        await asyncio.sleep(1.3)  # past the stall (1 s): each read of the body has waited that long
+        statuses = []
+        for _ in range(6):
+            async with h.chat(body(max_tokens=3)) as resp:
+                statuses.append(resp.status)
+                await resp.read()
+        assert statuses == [200] * 6
+        closed = [await asyncio.wait_for(r.read(), 5) for r, _ in stalled[:1]]  # the longest stalled went first
+        assert closed == [b""]
+    finally:
+        for _, w in stalled:
+            w.close()
+    assert m.requests == 6

@@ -16,6 +16,10 @@ of 40 for the whole 75 s keep-alive). The phases and their clocks:
 * ``IDLE``: between requests: ``idle_s``. And at the connection cap the longest-idle connection is closed to
   make room for a new one, so idle sockets can never shut a new client out (a client must expect a kept-alive
   connection to close between requests; HTTP says so).
+* A request *waiting for its body* (the app asked for it and nothing has come for ``stall_s``) is closed to make room
+  too, after the idle ones, longest-waiting first: eight authenticated heads with ``Content-Length`` and no body held
+  a cap of 8 for the body deadline (30 s), and fresh clients got 503 for 25 s of every 30 (issue 56). Such a request
+  has asked no miner yet, and a client's body in flight arrives in milliseconds: only a stalled one is evicted.
 
 Pure bookkeeping over opaque connection objects: the server tells it what happened, it calls ``expire`` with
 a connection to close.
@@ -49,11 +53,13 @@ class ConnectionDeadlines(Generic[C]):
     """The phase and deadline timer of every open client connection."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, head_s: float, idle_s: float,
-                 expire: Callable[[C], None]) -> None:
+                 expire: Callable[[C], None], stall_s: float = 1.0) -> None:
         self._loop = loop
         self.head_s = head_s
         self.idle_s = idle_s
+        self.stall_s = stall_s
         self._expire = expire
+        self._stalled: dict[C, float] = {}  # waiting for a body since (loop time), the longest first
         self._phase: dict[C, Phase] = {}
         self._timers: dict[C, asyncio.TimerHandle] = {}
         self._idle: dict[C, None] = {}  # insertion-ordered: the longest idle first
@@ -82,24 +88,38 @@ class ConnectionDeadlines(Generic[C]):
         if conn in self._phase:  # a connection that closed meanwhile is not brought back
             self._enter(conn, Phase.IDLE, self.idle_s)
 
+    def waiting_for_body(self, conn: C, waiting: bool) -> None:
+        """The request on ``conn`` waits for body bytes (True) or has them (False)."""
+        if not waiting:
+            self._stalled.pop(conn, None)
+        elif conn in self._phase:
+            self._stalled.setdefault(conn, self._loop.time())
+
     def closed(self, conn: C) -> None:
         self._phase.pop(conn, None)
         self._idle.pop(conn, None)
+        self._stalled.pop(conn, None)
         timer = self._timers.pop(conn, None)
         if timer is not None:
             timer.cancel()
 
     def evict_idle(self) -> bool:
-        """Close the longest-idle connection; False when none is idle."""
-        for conn in self._idle:
-            self.closed(conn)
-            self.evicted += 1
-            self._expire(conn)
-            return True
-        return False
+        """Close the longest-idle connection, or else the request longest stalled on its body (for ``stall_s`` at
+        least); False when there is neither."""
+        conn = next(iter(self._idle), None)
+        if conn is None:
+            since = next(iter(self._stalled.items()), None)
+            if since is None or self._loop.time() - since[1] < self.stall_s:
+                return False
+            conn = since[0]
+        self.closed(conn)
+        self.evicted += 1
+        self._expire(conn)
+        return True
 
     def _enter(self, conn: C, phase: Phase, within_s: float | None) -> None:
         self._phase[conn] = phase
+        self._stalled.pop(conn, None)
         if phase is Phase.IDLE:
             self._idle[conn] = None
         else:

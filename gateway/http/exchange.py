@@ -9,6 +9,7 @@ the last one ends the response. The body's deadline starts when the app first as
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -61,10 +62,14 @@ class _WriteWatchdog:
 class AsgiExchange:
     """The ASGI ``scope``, ``receive`` and ``send`` of one aiohttp request."""
 
-    __slots__ = ("_request", "_body_timeout", "_loop", "_response", "_start", "_body_by", "_watchdog")
+    __slots__ = ("_request", "_body_timeout", "_loop", "_response", "_start", "_body_by", "_watchdog", "_waiting")
 
-    def __init__(self, request: web.BaseRequest, *, body_timeout: float, write_timeout: float) -> None:
+    def __init__(self, request: web.BaseRequest, *, body_timeout: float, write_timeout: float,
+                 waiting: Callable[[bool], None] | None = None) -> None:
+        """``waiting``: told True while a read of the body waits for bytes, False once it has them (the server's
+        connection cap may then close a stalled one)."""
         self._request = request
+        self._waiting = waiting
         self._body_timeout = body_timeout
         self._loop = asyncio.get_running_loop()
         self._response: web.StreamResponse | None = None
@@ -102,11 +107,17 @@ class AsgiExchange:
             expect = request.headers.get("Expect", "").strip().lower()
             if expect == "100-continue" and request.version >= (1, 1) and request.writer is not None:
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        waiting = self._waiting  # said around every read: one that finds bytes buffered returns without a wait
+        if waiting is not None:
+            waiting(True)
         try:
             async with asyncio.timeout_at(self._body_by):
                 chunk = await request.content.readany()
         except TimeoutError:
             raise BodyTimeout(self._body_timeout) from None
+        finally:
+            if waiting is not None:
+                waiting(False)
         return {"type": "http.request", "body": chunk, "more_body": not request.content.at_eof()}
 
     async def send(self, message: dict[str, Any]) -> None:

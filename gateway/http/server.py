@@ -364,5 +364,8 @@ class HttpServer:
             conn = request.protocol
             conn.force_close()
             return web.Response(status=400)  # never written: the connection is closed
-        return await AsgiExchange(request, body_timeout=self.body_timeout, write_timeout=self.write_timeout).run(
+        clock, conn = self._clock, request.protocol
+        assert clock is not None
+        return await AsgiExchange(request, body_timeout=self.body_timeout, write_timeout=self.write_timeout,
+                                  waiting=lambda on: clock.waiting_for_body(conn, on)).run(
             self.app)
