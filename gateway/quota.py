@@ -169,7 +169,9 @@ class QuotaBook:
         if policy.streams is not None and u.in_flight + streams > policy.streams:
             return Refusal("concurrent streams", 1.0, stream_detail(u.in_flight, streams, policy.streams), standing)
         if policy.rpm is not None and len(u.minute_requests) >= policy.rpm:
-            wait = u.minute_requests[0] + MINUTE_S - now
+            # a limit of 0 (a share cut to nothing while Redis is down) with no request in the window: a minute
+            # (this raised IndexError, a 500 for every such request: issue 56)
+            wait = u.minute_requests[0] + MINUTE_S - now if u.minute_requests else MINUTE_S
             return Refusal("requests per minute", wait, f"{len(u.minute_requests)} of {policy.rpm} in the last minute",
                            standing)
         if policy.tpm is not None:

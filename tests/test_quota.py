@@ -63,6 +63,13 @@ def test_requests_per_minute_and_when_to_come_back() -> None:
     assert isinstance(book.admit(p, 10, T0 + 60.5), Ticket)
 
 
+def test_a_limit_cut_to_nothing_is_a_refusal_not_an_error() -> None:
+    """Issue 56: while Redis is down a process admits its share of what is left of a key's limit, which can be 0;
+    the book then raised IndexError on its empty window, a 500 for every request of a limited key."""
+    refused = QuotaBook().admit(KeyPolicy("a", rpm=0), 10, T0)
+    assert isinstance(refused, Refusal) and refused.limit == "requests per minute" and refused.retry_after_s == 60.0
+
+
 def test_tokens_per_minute_reserve_up_front_and_settle_to_use() -> None:
     book, p = QuotaBook(), KeyPolicy("a", tpm=1000)
     a = book.admit(p, 600, T0)

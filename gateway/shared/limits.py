@@ -153,9 +153,9 @@ class SharedLimits:
         self._settles: list[tuple[SharedTicket, int]] = []  # (ticket, tokens used less reserved), to send
         self._wake = asyncio.Event()
         self.fallbacks = 0  # admissions by the local share while Redis was down
-        # each key's use as Redis last told it (at, day, requests this minute, tokens this minute, tokens today):
-        # what a fallback share is cut from, so an outage never admits what the key had already used
-        self._seen: dict[str, tuple[float, str, int, int, int]] = {}
+        # each key's use as Redis last told it (at, day, requests this minute, tokens this minute, tokens today; None:
+        # not told): what a fallback share is cut from, so an outage never admits what the key had already used
+        self._seen: dict[str, tuple[float, str, int | None, int | None, int | None]] = {}
 
     def _keys(self, name: str, day: str) -> list[str]:
         k = self.link.key
@@ -221,7 +221,24 @@ class SharedLimits:
             if ticket.streams:
                 self._live[token] = ticket
             return ticket
+        self._saw_refusal(policy.name, code, figure, now, day)
         return _refusal(code, figure, wait, policy, reserve, now, streams)
+
+    def _saw_refusal(self, name: str, code: int, figure: int, now: float, day: str) -> None:
+        """A refusal tells the key's use of the limit it broke (every process's): kept as an admission's figures
+        are. Only admissions updated the view before, so a process whose requests Redis refused kept the view of its
+        last admission, and an outage then admitted what the others had used since: a key used up through Redis got
+        8-14 more a minute of its 60 with Redis down (issue 56)."""
+        at = {2: 2, 3: 3, 4: 4}.get(code)
+        if at is None:
+            return
+        old = self._seen.get(name)
+        view: list[Any] = [now, day, None, None, None]
+        if old is not None:  # the others as last told, while they still hold (the same minute, the same day)
+            view[2:4] = old[2:4] if now - old[0] < 60.0 else (None, None)
+            view[4] = old[4] if old[1] == day else None
+        view[at] = max(figure, view[at] or 0)
+        self._seen[name] = (now, day, view[2], view[3], view[4])
 
     async def usage(self, name: str, now: float | None = None) -> dict[str, Any] | None:
         """Key ``name``'s use today summed over every process (``/v1/status``); None while Redis is away."""
