@@ -172,3 +172,38 @@ def test_the_vllm_reference_passes_vllms_honest_answers_and_catches_a_requantize
     assert got["honest"]["vllm"]["passed"] == got["honest"]["answers"] == 5, got
     assert got["q2k"]["vllm"]["passed"] < got["q2k"]["answers"], got
     assert got["references_apart"]["top1_agreement"] > 0.9, got
+
+
+def test_schemas_at_the_bounds_pass_on_vllm_and_one_outside_them_never_reaches_it(urls: dict[str, str],
+                                                                                   reference: LlamaEngine) -> None:
+    """Issue 56 on the field's engine: a schema at the subnet's bounds (a string of maxLength 512: 512 nested groups
+    in xgrammar; 128 enum values; 64 properties) is decoded by vLLM under the subnet's grammar and passes its audit;
+    the issue's crash (maxLength 20,000) sent straight to the vLLM miner's proxy is its 400, and vLLM is not asked."""
+    import aiohttp
+    from check import proxy
+
+    from gateway.protocol.json_schema import BOUNDS
+    from neurons.miner.runtimes.base import RuntimeFailure
+
+    def shaped(schema: dict[str, object]) -> dict[str, object]:
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+    schemas = [{"type": "string", "maxLength": BOUNDS.repeat},
+               {"enum": [f"option-{i}" for i in range(BOUNDS.enum_values)]},
+               {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(BOUNDS.properties)}}]
+    bodies = [{**body, **shaped(schemas[i % 3]), "max_tokens": 24} for i, body in enumerate(requests(6, seed=56))]
+    tally = asyncio.run(audit_engine("bounds", urls["honest"], bodies, reference, AuditBands()))
+    assert not tally.errors and tally.answers == 6 and tally.failed == 0, tally
+
+    async def crash() -> str:
+        async with aiohttp.ClientSession() as session:
+            rt = proxy(urls["honest"], session)
+            body = {**bodies[0], **shaped({"type": "string", "maxLength": 20_000})}
+            try:
+                async for _ in rt.stream(body):
+                    pass
+            except RuntimeFailure as e:
+                return f"{e.status} {e.code}"
+            return "served"
+
+    assert asyncio.run(crash()) == "400 invalid_value"
