@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,10 +186,10 @@ def test_schemas_at_the_bounds_pass_on_vllm_and_one_outside_them_never_reaches_i
     from gateway.protocol.json_schema import BOUNDS
     from neurons.miner.runtimes.base import RuntimeFailure
 
-    def shaped(schema: dict[str, object]) -> dict[str, object]:
+    def shaped(schema: dict[str, Any]) -> dict[str, Any]:
         return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
 
-    schemas = [{"type": "string", "maxLength": BOUNDS.repeat},
+    schemas: list[dict[str, Any]] = [{"type": "string", "maxLength": BOUNDS.repeat},
                {"enum": [f"option-{i}" for i in range(BOUNDS.enum_values)]},
                {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(BOUNDS.properties)}}]
     bodies = [{**body, **shaped(schemas[i % 3]), "max_tokens": 24} for i, body in enumerate(requests(6, seed=56))]
