@@ -67,8 +67,10 @@ class LocalSubnet:
     runtimes: list[Any] = field(default_factory=list)  # real runtimes to close (threads, model contexts)
     traffic: OrganicTraffic | None = None
     api_key: str = ""
+    rounds_run: int = 0  # rounds closed when the run was stopped (the round in progress is then saved too)
 
 
+FIRST_WEIGHTS_ROUND = 2  # capacity checks start in round 2 (neurons.validator.probes): weights after it
 REAL_MINERS = 2  # real miners by default: with the reference, they keep this 2-core machine's cores busy
 REAL_TRAFFIC_RPS = 0.3  # a CPU miner answers in seconds; the simulated default (1.5/s) would only queue
 
@@ -239,6 +241,10 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
             )
             traffic_task = asyncio.create_task(subnet.traffic.run(), name="organic-traffic")
             want = subnet.cfg.local_rounds
+            if want is not None and want < FIRST_WEIGHTS_ROUND:
+                logger.warning("--local.rounds {}: no weights can be set that soon (capacity checks start in round 2, "
+                               "and a miner's pay waits for its first reading); run {} or more to see them", want,
+                               FIRST_WEIGHTS_ROUND + 1)
             while want is None or v.rounds_closed < want:
                 await asyncio.sleep(0.2)
                 if traffic_task.done():
@@ -247,6 +253,7 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
             # Give the weights loop its chance after the last round before exiting.
             await _await_weights(v, timeout_s=subnet.cfg.local_block_time * 3 + 2)
         finally:
+            subnet.rounds_run = v.rounds_closed
             if traffic_task is not None:
                 traffic_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -270,14 +277,33 @@ async def _await_weights(v: Validator, timeout_s: float) -> None:
 def _print_summary(subnet: LocalSubnet) -> None:
     v = subnet.validator
     last = v.weights.history[-1] if v.weights.history else None
-    lines = [f"local subnet stopped after {v.rounds_closed} rounds"]
+    lines = [f"local subnet stopped after {subnet.rounds_run} rounds (the round in progress at the stop was saved "
+             "too)"]
     if subnet.traffic is not None:
         lines.append(f"organic requests: {dict(subnet.traffic.counts)}")
     if last is None:
-        lines.append("no weights were set")
+        lines.append("no weights were set" + (f": the first can come after round {FIRST_WEIGHTS_ROUND}"
+                                              if subnet.rounds_run <= FIRST_WEIGHTS_ROUND else ""))
     else:
         block, weights = last
         lines.append(f"last weights set at block {block}:")
         for uid, _hk, profile in subnet.miners:
             lines.append(f"  uid {uid:>3} {profile:<14} weight {weights.get(uid, 0.0):.4f}")
+        lines.append(_verdict_line(subnet, weights))
     logger.info("\n" + "\n".join(lines))
+
+
+def _verdict_line(subnet: LocalSubnet, weights: dict[int, float]) -> str:
+    """One line a newcomer can read the run by: who was paid, and who was caught and why."""
+    v = subnet.validator
+    quarantined = v.quarantined()
+    paid = [f"uid {uid} {weights[uid]:.2f}" for uid, _, _ in subnet.miners if weights.get(uid, 0.0) > 0]
+    caught = []
+    for uid, hk, profile in subnet.miners:
+        if hk in quarantined and v.auditor is not None:
+            record = v.auditor.book.records.get(hk)
+            failed = f"{record.failures} of {record.audits} audits failed" if record is not None else "audits failed"
+            why = v.auditor.last_failure.get(hk)
+            caught.append(f"uid {uid} ({profile}: {failed}{f', {why}' if why else ''})")
+    return (f"paid: {', '.join(paid) or 'nobody'}; caught and quarantined at weight 0: "
+            f"{', '.join(caught) or 'nobody'}")

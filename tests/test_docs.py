@@ -8,6 +8,7 @@ heading of its page. Code blocks: ``bash`` must parse (``bash -n``), ``python`` 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -142,12 +143,44 @@ def test_quick_start_commands_are_what_ci_runs_or_run_here(tmp_path: Path) -> No
         done = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "uid" in done.stdout.lower() or "weight" in done.stdout.lower(), done.stdout
-    if real and os.environ.get("TENSORGATE_SKIP_REAL") != "1":
-        for argv in real:
-            done = subprocess.run([sys.executable, *argv, "--local.rounds", "1", "--gateway.port", "0",
-                                   "--state-dir", str(tmp_path / "real")], cwd=REPO, capture_output=True, text=True,
-                                  timeout=400)
-            assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert len(real) == 1  # run as given by the test below
+
+
+def test_the_readme_real_model_demo_says_who_was_paid_and_who_was_caught(tmp_path: Path) -> None:
+    """Issue 62 (in part): the README's real-model command, run as given, ends after the rounds it asked for (it said
+    "stopped after 7 rounds" for 6) with one line saying who was paid and who was caught and why, and the cheat at
+    weight 0. Both honest miners weighted is printed, not asserted: one of them is still left unmeasured, and so
+    unpaid, in about half the runs (the note of the stop that added this test gives the figures)."""
+    if os.environ.get("TENSORGATE_SKIP_REAL") == "1":
+        pytest.skip("the '.[real]' extra is skipped (TENSORGATE_SKIP_REAL=1)")
+    blocks = FENCE.findall(_quick_start())
+    real = [shlex.split(c)[1:] for lang, body in blocks if lang == "bash" for c in _commands(body)
+            if c.startswith(".venv/bin/python -m neurons.validator --local") and "real" in c]
+    assert len(real) == 1, real
+    state = tmp_path / "real"
+    done = subprocess.run([sys.executable, *real[0], "--gateway.port", "0", "--state-dir", str(state)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-3000:]
+    rounds = int(real[0][real[0].index("--local.rounds") + 1])
+    assert f"local subnet stopped after {rounds} rounds" in said, said[-3000:]
+    labels = dict(re.findall(r"uid +(\d+) (cheat: \S+|llama\.cpp gemma-3-270m \(CPU\)) +weight", said))
+    cheats = {int(u) for u, label in labels.items() if label.startswith("cheat")}
+    honest = {int(u) for u, label in labels.items() if not label.startswith("cheat")}
+    assert len(cheats) == 1 and len(honest) == 2, said[-3000:]
+    shown = subprocess.run([sys.executable, "-m", "neurons.weights", "--state-dir", str(state), "--netuid", "1",
+                            "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    w = {row["miner_uid"]: row["weight"] for row in json.loads(shown.stdout)["weights"]}
+    if not w:  # beside CPU hogs the audit's backlog can hold every pay past the demo's rounds: it says so
+        assert "no weights were set" in said, said[-3000:]
+        print("\nthe README's real-model demo set no weights (a loaded machine)")
+        return
+    assert all(w.get(u, 0.0) == 0.0 for u in cheats) and sum(w.get(u, 0.0) for u in honest) > 0.99, w
+    verdict = next(line for line in said.splitlines() if line.startswith("paid: "))
+    paid, caught = verdict.split(";")
+    assert all((f"uid {u} " in paid) == (w.get(u, 0.0) > 0) for u in honest), verdict
+    assert f"uid {next(iter(cheats))} (cheat: random: " in caught and "audits failed" in caught, verdict
+    print(f"\nthe README's real-model demo: honest weights {sorted(w.get(u, 0.0) for u in honest)}")
 
 
 def _run_local(argv: list[str], state: Path, clients: list[str]) -> None:

@@ -61,6 +61,7 @@ class Auditor:
         self._queue: asyncio.Queue[Measurement] = asyncio.Queue(maxsize=max(1, max_queue))
         self._ready: list[Measurement] = []
         self.outcomes: deque[StoredAudit] = deque(maxlen=10_000)  # drained by the validator into the store
+        self.last_failure: dict[str, str] = {}  # each hotkey's latest failed audit's reason (the local run's summary)
         self.counts: Counter[str] = Counter()  # sampled, passed, failed, dropped, unauditable, errors
         self.reference_errors = 0  # reference failures in a row (a verdict resets it)
         self.reference_error = ""  # the last one, for /ready
@@ -142,6 +143,7 @@ class Auditor:
             self._confirmed.add(m.hotkey)
         if not verdict.passed:
             logger.info("audit failed: uid {} {} ({}): {}", m.uid, m.hotkey[:10], verdict.failure, verdict.detail)
+            self.last_failure[m.hotkey] = str(verdict.failure)
         alarms = self.book.records[m.hotkey].alarms if m.hotkey in self.book.records else 0
         if self.book.record(m.hotkey, passed=verdict.passed, at=now, positions=verdict.positions,
                             misses=verdict.misses):
