@@ -111,6 +111,13 @@ AT_BOUNDS: list[tuple[str, dict[str, Any]]] = [
     ("the nesting at the bound", _forced(_nested(BOUNDS.depth - 2))),
     ("the alternatives at the bound", _rf({"anyOf": [{"type": "object", "properties": {f"k{j}": {"type": "integer"}},
                                                       "required": [f"k{j}"]} for j in range(BOUNDS.alternatives)]})),
+    ("definitions, both spellings, in forced tools", {"tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "definitions": {"A": {"type": "string"}}, "type": "object",
+            "properties": {"a": {"$ref": "#/definitions/A"}}, "required": ["a"]}}},
+        {"type": "function", "function": {"name": "g", "parameters": {
+            "$defs": {"B": {"type": "integer"}}, "type": "object",
+            "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]}}}], "tool_choice": "required"}),
     ("the repeats in all at the bound", _rf({"type": "object", "properties": {
         f"s{i}": {"type": "string", "maxLength": BOUNDS.repeat}
         for i in range(BOUNDS.repeat_total // BOUNDS.repeat)}})),

@@ -117,15 +117,19 @@ def _convert(structure: Structure) -> str:
             converter.visit(converter.resolve_refs(schema, "request"), "")
             return str(converter.format_grammar())
         assert structure.kind == TOOL_CALL
-        defs: dict[str, Any] = {}  # each function's own definitions, where its local $refs find them from the root
+        # each function's own definitions, where its local $refs find them from the root ($defs and definitions
+        # both: the schema subset allows either, and a name defined otherwise by two functions is refused there)
+        defs: dict[str, dict[str, Any]] = {"$defs": {}, "definitions": {}}
         calls = []
         for name, params in structure.functions:
-            defs.update(params.get("$defs") or {})
-            arguments = {k: v for k, v in params.items() if k != "$defs"}
+            for key, found in defs.items():
+                found.update(params.get(key) or {})
+            arguments = {k: v for k, v in params.items() if k not in defs}
             calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
                           "required": ["name", "arguments"]})
         call: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        converter.visit(converter.resolve_refs({**call, "$defs": defs} if defs else call, "request"), "call")
+        call.update({key: found for key, found in defs.items() if found})
+        converter.visit(converter.resolve_refs(call, "request"), "call")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, AssertionError) as e:
         raise GrammarError(f"the response's schema cannot be written as a grammar: {type(e).__name__}: {e}") from None
     block = f'{_literal(OPEN + chr(10))} call {_literal(chr(10) + CLOSE)}'
