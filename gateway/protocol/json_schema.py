@@ -325,6 +325,8 @@ class _Walk:
             if items is None:
                 continue
             if isinstance(items, dict) and key == "items":
+                if not items:  # the converter reads an empty schema here as no items at all, and fails
+                    raise SchemaError(f"{path}.items", "an empty schema: leave 'items' out for items of any type")
                 parts.append(self.node(items, f"{path}.{key}", depth + 1))
                 continue
             if not isinstance(items, list) or not items or len(items) > self.b.properties:
