@@ -117,7 +117,7 @@ def check_schema(schema: Any, param: str, budget: Budget | None = None) -> None:
     try:
         size = len(json.dumps(schema, ensure_ascii=False, allow_nan=False))
     except (ValueError, TypeError, RecursionError):
-        raise SchemaError(param, "must be JSON text without NaN or infinities") from None
+        raise SchemaError(param, "cannot be written as JSON text (NaN, an infinity, or nested too deeply)") from None
     if size > b.schema_bytes:
         raise SchemaError(param, f"a schema may be at most {b.schema_bytes} bytes as JSON, this one is {size}")
     _Walk(schema, param, budget).root()
