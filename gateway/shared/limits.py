@@ -229,9 +229,9 @@ class SharedLimits:
         are. Only admissions updated the view before, so a process whose requests Redis refused kept the view of its
         last admission, and an outage then admitted what the others had used since: a key used up through Redis got
         8-14 more a minute of its 60 with Redis down (issue 56)."""
-        at = {2: 2, 3: 3, 4: 4}.get(code)
-        if at is None:
+        if code not in (2, 3, 4):  # rpm, tpm, tpd: the view's fields 2, 3, 4
             return
+        at = code
         old = self._seen.get(name)
         view: list[Any] = [now, day, None, None, None]
         if old is not None:  # the others as last told, while they still hold (the same minute, the same day)
