@@ -150,7 +150,8 @@ def test_the_readme_real_model_demo_says_who_was_paid_and_who_was_caught(tmp_pat
     """Issue 62 (in part): the README's real-model command, run as given, ends after the rounds it asked for (it said
     "stopped after 7 rounds" for 6) with one line saying who was paid and who was caught and why, and the cheat at
     weight 0. Both honest miners weighted is printed, not asserted: one of them is still left unmeasured, and so
-    unpaid, in about half the runs (the note of the stop that added this test gives the figures)."""
+    unpaid, in about half the runs quiet, and beside two CPU hogs the run can end with no weights at all, which it
+    then says (the note of the stop that added this test gives the figures)."""
     if os.environ.get("TENSORGATE_SKIP_REAL") == "1":
         pytest.skip("the '.[real]' extra is skipped (TENSORGATE_SKIP_REAL=1)")
     blocks = FENCE.findall(_quick_start())
@@ -164,17 +165,17 @@ def test_the_readme_real_model_demo_says_who_was_paid_and_who_was_caught(tmp_pat
     assert done.returncode == 0, said[-3000:]
     rounds = int(real[0][real[0].index("--local.rounds") + 1])
     assert f"local subnet stopped after {rounds} rounds" in said, said[-3000:]
+    shown = subprocess.run([sys.executable, "-m", "neurons.weights", "--state-dir", str(state), "--netuid", "1",
+                            "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    w = {row["miner_uid"]: row["weight"] for row in json.loads(shown.stdout)["weights"]}
+    if not w:  # beside two CPU hogs no capacity check read a miner in 3 rounds (CI, 2026-12-08): it says so
+        assert "no weights were set" in said, said[-3000:]
+        print("\nthe README's real-model demo set no weights (a loaded machine)")
+        return
     labels = dict(re.findall(r"uid +(\d+) (cheat: \S+|llama\.cpp gemma-3-270m \(CPU\)) +weight", said))
     cheats = {int(u) for u, label in labels.items() if label.startswith("cheat")}
     honest = {int(u) for u, label in labels.items() if not label.startswith("cheat")}
     assert len(cheats) == 1 and len(honest) == 2, said[-3000:]
-    shown = subprocess.run([sys.executable, "-m", "neurons.weights", "--state-dir", str(state), "--netuid", "1",
-                            "--json"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    w = {row["miner_uid"]: row["weight"] for row in json.loads(shown.stdout)["weights"]}
-    if not w:  # beside CPU hogs the audit's backlog can hold every pay past the demo's rounds: it says so
-        assert "no weights were set" in said, said[-3000:]
-        print("\nthe README's real-model demo set no weights (a loaded machine)")
-        return
     assert all(w.get(u, 0.0) == 0.0 for u in cheats) and sum(w.get(u, 0.0) for u in honest) > 0.99, w
     verdict = next(line for line in said.splitlines() if line.startswith("paid: "))
     paid, caught = verdict.split(";")
