@@ -242,9 +242,9 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
             traffic_task = asyncio.create_task(subnet.traffic.run(), name="organic-traffic")
             want = subnet.cfg.local_rounds
             if want is not None and want < FIRST_WEIGHTS_ROUND:
-                logger.warning("--local.rounds {}: no weights can be set that soon (capacity checks start in round 2, "
+                logger.warning("--local.rounds {}: no weights can be set that soon (capacity checks start in round {}, "
                                "and a miner's pay waits for its first reading); run {} or more to see them", want,
-                               FIRST_WEIGHTS_ROUND + 1)
+                               FIRST_WEIGHTS_ROUND, FIRST_WEIGHTS_ROUND + 1)
             while want is None or v.rounds_closed < want:
                 await asyncio.sleep(0.2)
                 if traffic_task.done():
