@@ -40,6 +40,7 @@ from loguru import logger
 
 from .chain.local import LocalChain
 from .keys import dev_keypair
+from .local_epoch_table import epoch_table
 from .local_lineup import claim_state_dir, lineup_of, miner_cheat, miner_label, miner_model
 from .miner.runtimes.base import Runtime
 from .miner.runtimes.sim import PROFILES, SimulatedRuntime
@@ -107,6 +108,11 @@ def local_config(cfg: ValidatorConfig) -> ValidatorConfig:
     )
 
 
+def local_tempo(cfg: ValidatorConfig) -> int:
+    """The local chain's tempo: an epoch (Yuma 3, :mod:`neurons.chain.local_epoch`) about once a round."""
+    return max(2, int(round(cfg.round_s / cfg.local_block_time)))
+
+
 async def _runtime(cfg: ValidatorConfig, i: int, rng: random.Random, subnet_runtimes: list[Any]) -> tuple[Runtime,
                                                                                                         str, int]:
     """The runtime of local miner ``i`` (the cheats come after the honest miners): (runtime, label, slots)."""
@@ -155,7 +161,7 @@ async def start_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -
     rng = random.Random(seed if seed is not None else cfg.seed)
     vkey = dev_keypair(VALIDATOR_URI)
     chain = LocalChain.open(cfg.state_dir / "chain", cfg.netuid, wallet=vkey, block_time=cfg.local_block_time,
-                            weights_rate_limit=max(1, cfg.weights_interval_blocks // 2))
+                            weights_rate_limit=max(1, cfg.weights_interval_blocks // 2), tempo=local_tempo(cfg))
     substrate = chain.substrate
     substrate.register(vkey.ss58_address, vkey.ss58_address, endpoint=None, validator_permit=True, stake=10_000.0)
     runners: list[web.AppRunner] = []
@@ -245,8 +251,10 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
                 logger.warning("--local.rounds {}: no weights can be set that soon (capacity checks start in round {}, "
                                "and a miner's pay waits for its first reading); run {} or more to see them", want,
                                FIRST_WEIGHTS_ROUND, FIRST_WEIGHTS_ROUND + 1)
+            epochs = _EpochWatch(subnet)
             while want is None or v.rounds_closed < want:
                 await asyncio.sleep(0.2)
+                epochs.check()
                 if traffic_task.done():
                     traffic_task.result()
                     raise RuntimeError("organic traffic ended")
@@ -264,6 +272,20 @@ async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None) -> 
         await stop_local_subnet(subnet)
     _print_summary(subnet)
     return 0
+
+
+class _EpochWatch:
+    """Logs the epoch table each time the local chain has run a new epoch."""
+
+    def __init__(self, subnet: LocalSubnet) -> None:
+        self.subnet = subnet
+        self.seen = subnet.chain.substrate.subnet(subnet.cfg.netuid).last_step
+
+    def check(self) -> None:
+        s = self.subnet.chain.substrate.subnet(self.subnet.cfg.netuid)
+        if s.last_step != self.seen:
+            self.seen = s.last_step
+            logger.info("\n{}", epoch_table(s, {uid: label for uid, _, label in self.subnet.miners}))
 
 
 async def _await_weights(v: Validator, timeout_s: float) -> None:

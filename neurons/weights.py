@@ -1,4 +1,5 @@
-"""Print the weights currently on chain: the analogue of ``btcli query weights --netuid N``.
+"""Print the weights currently on chain and what the last epoch made of them: the analogue of ``btcli query
+weights --netuid N`` with the metagraph's Yuma columns (validator trust, dividends, consensus, incentive).
 
 Reads go through the SDK's own read path (``client.weights.weights``, the metagraph, and
 ``client.weights.timelocked_weight_commits``), over the local chain's state directory or a real
@@ -58,7 +59,20 @@ async def collect(client: bt.Client, netuid: int) -> dict[str, Any]:
         for epoch, entries in commits.items() for c in entries
     ]
     return {"netuid": netuid, "block": block, "commit_reveal": bool(cr), "neurons": len(mg.neurons),
-            "weights": rows, "pending_commits": pending}
+            "weights": rows, "pending_commits": pending, "epoch": epoch_of(mg)}
+
+
+def epoch_of(mg: Any) -> dict[str, Any]:
+    """What the last epoch made of the weights (Yuma): per validator (a permit holder) its stake, validator trust,
+    dividends and emission; per other neuron its consensus, incentive and emission (in the subnet's units)."""
+    vtrust = list(mg.raw.get("validator_trust") or [])
+    validators = [{"uid": n.uid, "hotkey": n.hotkey, "stake": n.total_stake.rao / 1e9,
+                   "validator_trust": (vtrust[n.uid] if n.uid < len(vtrust) else 0) / 65535,
+                   "dividends": n.dividends, "emission": n.emission.rao / 1e9}
+                  for n in mg.neurons if n.validator_permit]
+    miners = [{"uid": n.uid, "hotkey": n.hotkey, "consensus": n.consensus, "incentive": n.incentive,
+               "emission": n.emission.rao / 1e9} for n in mg.neurons if not n.validator_permit]
+    return {"block": mg.last_step, "validators": validators, "miners": miners}
 
 
 def _iso(value: Any) -> str | None:
@@ -85,11 +99,24 @@ def format_table(data: dict[str, Any], source: str) -> str:
                          f"{_short(r['miner_hotkey']):<12}  {r['weight']:>8.4f}  {ago}")
     pending = data["pending_commits"]
     lines.append(f"pending commits: {len(pending)}")
+    lines += format_epoch(data["epoch"])
     for c in pending:
         lines.append(f"  validator uid {c['validator_uid']} ({_short(c['hotkey'])}) committed at block "
                      f"{c['commit_block']} (epoch {c['epoch']}), drand reveal round {c['reveal_round']}"
                      + (f" ~ {c['reveals_at']}" if c["reveals_at"] else ""))
     return "\n".join(lines)
+
+
+def format_epoch(epoch: dict[str, Any]) -> list[str]:
+    """The Yuma columns of the last epoch: validators (stake, vtrust, dividends), then miners."""
+    lines = [f"last epoch at block {epoch['block']}:"]
+    for v in epoch["validators"]:
+        lines.append(f"  validator uid {v['uid']} ({_short(v['hotkey'])}): stake {v['stake']:.2f}, "
+                     f"vtrust {v['validator_trust']:.4f}, dividends {v['dividends']:.4f}, emission {v['emission']:.4f}")
+    for m in epoch["miners"]:
+        lines.append(f"  miner uid {m['uid']} ({_short(m['hotkey'])}): consensus {m['consensus']:.4f}, "
+                     f"incentive {m['incentive']:.4f}, emission {m['emission']:.4f}")
+    return lines
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:

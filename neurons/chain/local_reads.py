@@ -26,7 +26,7 @@ def read_storage(state: ChainState, module: str, item: str, params: list, head: 
         s = state.subnets.get(int(params[0]))
         return None if s is None else s.symbol.encode()
     index = int(params[0]) if params else 0
-    if item in {"LastUpdate", "Weights", "TimelockedWeightCommits"}:
+    if item in {"LastUpdate", "Weights", "Bonds", "Incentive", "TimelockedWeightCommits"}:
         if index >= MECHANISM_STRIDE:  # only mechanism 0 is modelled
             return None
     s = state.subnets.get(index)
@@ -44,7 +44,14 @@ def read_storage(state: ChainState, module: str, item: str, params: list, head: 
         "BlocksSinceLastStep": head - s.last_epoch_block(head), "PendingEpochAt": 0,
         "LastUpdate": [n.last_update for n in s.neurons],
         "ValidatorPermit": [n.validator_permit for n in s.neurons],
-        "Active": [True for _ in s.neurons],
+        "Active": [n.active for n in s.neurons],
+        "Consensus": [n.consensus for n in s.neurons], "Incentive": [n.incentive for n in s.neurons],
+        "Dividends": [n.dividends for n in s.neurons], "ValidatorTrust": [n.validator_trust for n in s.neurons],
+        "Emission": [n.emission_rao for n in s.neurons],
+        "Kappa": s.kappa, "BondsPenalty": s.bonds_penalty, "BondsMovingAverage": s.bonds_moving_average,
+        "LiquidAlphaOn": s.liquid_alpha, "AlphaValues": (s.alpha_low, s.alpha_high), "Yuma3On": True,
+        "AlphaSigmoidSteepness": s.alpha_sigmoid_steepness, "MaxAllowedValidators": s.max_allowed_validators,
+        "ActivityCutoff": s.activity_cutoff, "LastMechansimStepBlock": s.last_step,
     }
     if item in scalar:
         return scalar[item]
@@ -53,8 +60,8 @@ def read_storage(state: ChainState, module: str, item: str, params: list, head: 
     if item == "Keys":
         uid = int(params[1])
         return s.neurons[uid].hotkey if 0 <= uid < len(s.neurons) else None
-    if item == "Weights":
-        row = s.weights.get(int(params[1]))
+    if item in {"Weights", "Bonds"}:
+        row = (s.weights if item == "Weights" else s.bonds).get(int(params[1]))
         return None if row is None else [tuple(p) for p in row]
     raise ChainError(f"the local chain does not model SubtensorModule.{item}")
 
@@ -73,8 +80,9 @@ def read_storage_map(state: ChainState, module: str, item: str, params: list) ->
     s = subnets.get(index)
     if s is None:
         return []
-    if item == "Weights":
-        return [(uid, [tuple(p) for p in row]) for uid, row in sorted(s.weights.items())]
+    if item in {"Weights", "Bonds"}:
+        rows = s.weights if item == "Weights" else s.bonds
+        return [(uid, [tuple(p) for p in row]) for uid, row in sorted(rows.items())]
     if item == "TimelockedWeightCommits":
         by_epoch: dict[int, list[tuple[str, int, str, int]]] = {}
         for c in s.commits:
@@ -100,9 +108,11 @@ def metagraph(s: Subnet, head: int) -> dict[str, Any]:
         "hotkeys": [n.hotkey for n in ns], "coldkeys": [n.coldkey for n in ns], "identities": [None for _ in ns],
         "axons": [{"block": n.registered_at, "version": 1, "ip": n.ip, "port": n.port, "ip_type": n.ip_type,
                    "protocol": 4, "placeholder1": 0, "placeholder2": 0} for n in ns],
-        "active": [True for _ in ns], "validator_permit": [n.validator_permit for n in ns],
+        "active": [n.active for n in ns], "validator_permit": [n.validator_permit for n in ns],
         "last_update": [n.last_update for n in ns], "block_at_registration": [n.registered_at for n in ns],
         "alpha_stake": [n.stake_rao for n in ns], "tao_stake": zeros, "total_stake": [n.stake_rao for n in ns],
-        "emission": zeros, "rank": zeros, "trust": zeros, "consensus": zeros, "incentives": zeros,
-        "dividends": zeros, "pruning_score": zeros, "validator_trust": zeros,
+        "emission": [n.emission_rao for n in ns], "rank": zeros, "trust": zeros,
+        "consensus": [n.consensus for n in ns], "incentives": [n.incentive for n in ns],
+        "dividends": [n.dividends for n in ns], "pruning_score": zeros,
+        "validator_trust": [n.validator_trust for n in ns],
     }

@@ -29,6 +29,13 @@ class Neuron:
     stake_rao: int = 0
     registered_at: int = 0
     last_update: int = 0  # 0 = never set weights (the SDK's preflight and the chain skip the limit)
+    # what the last epoch left (neurons.chain.local_epoch): u16 shares, the epoch's emission in rao
+    consensus: int = 0
+    incentive: int = 0
+    dividends: int = 0
+    validator_trust: int = 0
+    emission_rao: int = 0
+    active: bool = True
 
 
 @dataclass
@@ -55,6 +62,16 @@ class Subnet:
     weights_min_stake_rao: int = 0
     max_allowed_uids: int = 256
     consensus: str = "Yuma"
+    # Yuma 3's hyperparameters, at the chain's defaults (scoring.yuma.YumaParams)
+    kappa: int = 32767
+    bonds_penalty: int = U16_MAX
+    bonds_moving_average: int = 900_000
+    liquid_alpha: bool = False
+    alpha_low: int = 45_875
+    alpha_high: int = 58_982
+    alpha_sigmoid_steepness: int = 1000
+    max_allowed_validators: int = 128
+    activity_cutoff: int = 5000
     name: str = "tensorgate-local"
     symbol: str = "α"
     registered_at: int = 0
@@ -63,6 +80,8 @@ class Subnet:
     neurons: list[Neuron] = field(default_factory=list)
     weights: dict[int, list[list[int]]] = field(default_factory=dict)  # uid -> [[dest, u16], ...]
     commits: list[Commit] = field(default_factory=list)
+    bonds: dict[int, list[list[int]]] = field(default_factory=dict)  # validator uid -> [[miner uid, u16], ...]
+    last_step: int = 0  # the block of the last epoch run (0: none yet)
 
     # Epoch schedule: the classic subtensor rule, an epoch at every block with
     # (block + netuid + 1) % (tempo + 1) == 0; its index counts epochs since genesis.
@@ -109,7 +128,8 @@ class ChainState:
             neurons = [Neuron(**n) for n in s.pop("neurons", [])]
             weights = {int(uid): [list(map(int, p)) for p in row] for uid, row in s.pop("weights", {}).items()}
             commits = [Commit(**c) for c in s.pop("commits", [])]
-            subnets[int(key)] = Subnet(**s, neurons=neurons, weights=weights, commits=commits)
+            bonds = {int(uid): [list(map(int, p)) for p in row] for uid, row in s.pop("bonds", {}).items()}
+            subnets[int(key)] = Subnet(**s, neurons=neurons, weights=weights, commits=commits, bonds=bonds)
         return cls(
             anchor_block=int(raw["anchor_block"]), anchor_time=float(raw["anchor_time"]),
             block_time=float(raw["block_time"]), last_block=int(raw["last_block"]), subnets=subnets,

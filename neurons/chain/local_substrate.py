@@ -59,11 +59,11 @@ from typing import Any
 from bittensor import Balance, ChainError, ExtrinsicResult, sp_core
 from loguru import logger
 
+from .local_blocks import advance, event, log_extrinsic
 from .local_files import STATE_FILE, StateDirLocked, StateFile
 from .local_rules import Refused, commit_weights, set_weights
 from .local_seam import SubstrateReads
 from .local_state import (
-    EXTRINSIC_LOG_LIMIT,
     RAO_PER_UNIT,
     U16_MAX,
     ChainState,
@@ -177,8 +177,8 @@ class LocalSubstrate(SubstrateReads):
         self._refresh()
         head = self._head()
         if head != self._state.last_block:
-            self._state.last_block = head
-            if self._apply_reveals(head):
+            before, self._state.last_block = self._state.last_block, head
+            if advance(self._state, before, head):
                 self._save()
         return head
 
@@ -306,37 +306,7 @@ class LocalSubstrate(SubstrateReads):
         return self._state.subnets[key]
 
     def _log(self, block: int, signer: str, call: str, ok: bool, detail: str, events: list[dict] | None = None) -> int:
-        index = sum(1 for e in self._state.extrinsics if e["block"] == block)
-        self._state.extrinsics.append({
-            "block": block, "index": index, "signer": signer, "call": call, "ok": ok, "detail": detail,
-            "events": events or [],
-        })
-        del self._state.extrinsics[:-EXTRINSIC_LOG_LIMIT]
-        return index
-
-    # -- reveals ----------------------------------------------------------------------------------
-
-    def _apply_reveals(self, head: int) -> bool:
-        changed = False
-        for s in self._state.subnets.values():
-            due = sorted((c for c in s.commits if c.reveal_block <= head), key=lambda c: c.commit_block)
-            for c in due:
-                s.commits.remove(c)
-                changed = True
-                if c.plaintext is None:
-                    self._log(c.reveal_block, c.hotkey, "reveal", False,
-                              "commit has no local plaintext (drand is not reachable offline); dropped")
-                    continue
-                try:
-                    uid = set_weights(s, c.hotkey, c.plaintext["uids"], c.plaintext["values"],
-                                            c.plaintext["version_key"], c.reveal_block, reveal=True)
-                except Refused as e:
-                    self._log(c.reveal_block, c.hotkey, "reveal", False, e.text)
-                else:
-                    self._log(c.reveal_block, c.hotkey, "reveal", True,
-                              f"uid {uid} weights revealed (committed at block {c.commit_block})",
-                              [_event("TimelockedWeightsRevealed", {"netuid": s.netuid, "hotkey": c.hotkey})])
-        return changed
+        return log_extrinsic(self._state, block, signer, call, ok, detail, events)
 
     # -- bt.Substrate: lifecycle, metadata ----------------------------------------------------------
 
@@ -414,12 +384,12 @@ class LocalSubstrate(SubstrateReads):
             dests = [int(d) for d in p["dests"]]
             values = [int(v) for v in p["weights"]]
             uid = set_weights(s, signer, dests, values, int(p.get("version_key", 0)), head, reveal=False)
-            return [_event("WeightsSet", {"netuid": netuid, "uid": uid})]
+            return [event("WeightsSet", {"netuid": netuid, "uid": uid})]
         if function in {"commit_timelocked_mechanism_weights", "commit_timelocked_weights"}:
             uid = commit_weights(s, signer, p["commit"], int(p["reveal_round"]), head,
                                  self._plaintexts.get((s.netuid, signer)))
             self._plaintexts.pop((s.netuid, signer), None)  # taken by the commit it was left for
-            return [_event("TimelockedWeightsCommitted", {"netuid": netuid, "hotkey": signer,
+            return [event("TimelockedWeightsCommitted", {"netuid": netuid, "hotkey": signer,
                                                           "reveal_round": int(p["reveal_round"])})]
         if function in {"serve_axon", "serve_axon_tls"}:
             server_uid = s.uid_of(signer)
@@ -427,17 +397,13 @@ class LocalSubstrate(SubstrateReads):
                 raise Refused("HotKeyNotRegisteredInNetwork")
             n = s.neurons[server_uid]
             n.ip, n.port, n.ip_type = int(p["ip"]), int(p["port"]), int(p.get("ip_type", 4))
-            return [_event("AxonServed", {"netuid": netuid, "hotkey": signer})]
+            return [event("AxonServed", {"netuid": netuid, "hotkey": signer})]
         raise Refused("CallFiltered", f"the local chain does not implement {module}.{function}")
 
     def __del__(self) -> None:
         file = getattr(self, "_file", None)
         if file is not None and file.locked:
             file.unlock()
-
-
-def _event(event_id: str, attributes: dict[str, Any]) -> dict[str, Any]:
-    return {"event": {"module_id": "SubtensorModule", "event_id": event_id, "attributes": attributes}}
 
 
 def _summary(function: str, params: Any) -> str:
