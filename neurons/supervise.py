@@ -39,6 +39,7 @@ def supervise(
             started = asyncio.get_running_loop().time()
             try:
                 await factory()
+                stop_if_cancelling()
                 logger.warning("task {} returned; restarting in {:.1f}s", name, backoff)
             except asyncio.CancelledError:
                 raise
@@ -65,11 +66,24 @@ async def every(interval_s: float, step: Callable[[], Awaitable[None]], *, first
     next_at = loop.time()
     while True:
         await step()
+        stop_if_cancelling()
         next_at += interval_s
         now = loop.time()
         if next_at < now:  # fell behind (a slow step): skip missed ticks instead of bursting
             next_at = now
         await asyncio.sleep(next_at - now)
+
+
+def stop_if_cancelling() -> None:
+    """Raise ``CancelledError`` when this task was asked to stop but the request never surfaced as one.
+
+    A library can swallow a cancellation that lands inside its call (the Redis client's connection handling does:
+    the call returns or raises its own error) while the task stays marked as cancelling; asyncio delivers a cancel
+    once, so a loop that went on would never stop, and the validator's stop would wait on it for ever.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 async def until_stop_signal() -> None:

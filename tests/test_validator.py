@@ -12,7 +12,7 @@ import pytest
 from gateway.protocol.tokens import estimate_prompt_tokens
 from neurons.chain.base import ChainParams, NeuronInfo, WeightsOutcome
 from neurons.keys import dev_keypair
-from neurons.supervise import supervise
+from neurons.supervise import every, supervise
 from neurons.validator.build import build_validator
 from neurons.validator.config import ValidatorConfig, parse_args
 from neurons.validator.neuron import Validator, candidates
@@ -84,6 +84,27 @@ async def test_supervised_task_is_restarted_after_a_crash() -> None:
         await task
     assert calls == 3
     assert restarts["flaky"] == 2
+
+
+async def test_a_loop_whose_step_swallowed_the_cancellation_still_stops() -> None:
+    """A step that catches the cancellation (as a library can, inside its own call) and returns: the supervised
+    ``every`` loop still stops, where it went on for ever before (a validator's stop then waited on it)."""
+    steps = 0
+
+    async def swallowing() -> None:
+        nonlocal steps
+        steps += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            return  # what a misbehaving client library does
+
+    task = supervise("swallow", lambda: every(0.01, swallowing), min_backoff_s=0.01)
+    while steps == 0:  # noqa: ASYNC110 - waits for the first step to begin
+        await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.wait({task}, timeout=5)  # before: still stepping after 5 s (each step swallows the next cancel)
+    assert task.cancelled() and steps == 1
 
 
 NET = ["--netuid", "7", "--gateway.model", "org/model", "--audit.off"]  # what a real network needs at the least

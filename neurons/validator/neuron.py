@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 RECENT = 64  # closed rounds kept in memory (for the live table and tests)
 DRAIN_EVERY_S = 0.25  # how often measurements move from the queue into the scorer
 ROUTING_EVERY_S = 1.0  # how often the router's view is compared with the one published to the other gateways
+STOP_LOOPS_S = 15.0  # how long a stop waits for its cancelled loops before it names the ones left and goes on
 
 
 def candidates(neurons: list[NeuronInfo], self_hotkey: str, min_validator_stake: float) -> list[Candidate]:
@@ -197,7 +198,11 @@ class Validator:
             self._corpus_task = None
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, stuck = await asyncio.wait(self._tasks, timeout=STOP_LOOPS_S)
+            if stuck:  # named, so a loop that will not stop is found from the log, and the stop goes on
+                logger.error("stopping: {} did not stop within {:.0f} s of being cancelled; going on without them",
+                             ", ".join(sorted(t.get_name() for t in stuck)), STOP_LOOPS_S)
         self._tasks = []
         if self.workers is not None:
             await self.workers.stop()  # each drains its streams like this one, and sends its measurements
