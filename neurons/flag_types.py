@@ -37,6 +37,17 @@ def number(kind: Callable[[str], Any], lo: float, hi: float) -> Callable[[str], 
     return parse
 
 
+def percents(text: str) -> list[float]:
+    """``"50,30,20"``: shares in percent, each finite and within [0, 100], at least one above 0."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated percentages, like 50,30,20: got {text!r}") from None
+    if not all(math.isfinite(v) and 0 <= v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"each share must be within [0, 100]: got {text!r}")
+    return values
+
+
 def log_level(text: str) -> str:
     level = text.strip().upper()
     if level not in LOG_LEVELS:

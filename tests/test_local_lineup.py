@@ -1,4 +1,4 @@
-"""A local run's state directory is reused only by the same lineup of miners (``neurons.local_lineup``).
+"""A local run's state directory is reused only by the same lineup of miners (``neurons.local_subnet.lineup``).
 
 The local miners sign with the same development keys whatever they run: after the README's real-model run with a
 cheat, the simulated main job's honest ``Miner3`` started quarantined and ended at weight 0. Another lineup now
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from neurons.local_lineup import LINEUP_FILE, LineupRecordError, claim_state_dir, lineup_of
 from neurons.local_subnet import local_config, start_local_subnet, stop_local_subnet
+from neurons.local_subnet.lineup import LINEUP_FILE, LineupRecordError, claim_state_dir, lineup_of
 from neurons.validator.config import ValidatorConfig
 
 NOW = 1_796_000_000.0

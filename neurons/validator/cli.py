@@ -26,7 +26,9 @@ from .config import ValidatorConfig, parse_args
 def log_format(record: Any) -> str:
     """Date and time, level, the request id of a line written while serving a request, the message."""
     rid = "[{extra[request_id]}] " if "request_id" in record["extra"] else ""
-    return "<green>{time:YYYY-MM-DD HH:mm:ss}</green> <level>{level: <7}</level> " + rid + "{message}\n{exception}"
+    who = "[{extra[validator]}] " if "validator" in record["extra"] else ""  # several on the local subnet
+    return ("<green>{time:YYYY-MM-DD HH:mm:ss}</green> <level>{level: <7}</level> " + who + rid
+            + "{message}\n{exception}")
 
 
 def json_line(message: Any) -> None:
@@ -35,8 +37,9 @@ def json_line(message: Any) -> None:
     record = message.record
     line: dict[str, Any] = {"time": record["time"].astimezone(datetime.UTC).isoformat(timespec="milliseconds"),
                             "level": record["level"].name, "message": record["message"]}
-    if "request_id" in record["extra"]:
-        line["request_id"] = record["extra"]["request_id"]
+    for key in ("request_id", "validator"):
+        if key in record["extra"]:
+            line[key] = record["extra"][key]
     if record["exception"] is not None:
         line["exception"] = "".join(traceback.format_exception(*record["exception"]))
     sys.stderr.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -131,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..chain.local_files import CorruptChainState
     from ..chain.subtensor import ChainSeamError
     from ..keys import MissingKeyError
-    from ..local_lineup import LineupRecordError
     from ..local_subnet import ExternalMinerError
+    from ..local_subnet.lineup import LineupRecordError
     from ..model.packaged import ModelUnavailable
     from ..reference.bands import BandsFileError
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..chain.base import DEFAULT_MIN_VALIDATOR_STAKE
 from ..config_fields import add_flags, config_of, setting
-from ..flag_types import LOG_LEVELS, log_level, redis_url
+from ..flag_types import LOG_LEVELS, log_level, percents, redis_url
 from ..settings import VALIDATOR_PREFIX, add_config_flag, resolve
 
 DEFAULT_MODEL = "tensorgate/sim-5090"
@@ -179,6 +179,17 @@ class ValidatorConfig:
                                  help="seconds per block of the local chain")
     local_traffic_rps: float = _S(1.5, flag="local.traffic-rps", group=LOCAL, type=float, bounds=(0, 10**4),
                                   help="organic requests per second sent through the gateway in local mode")
+    local_validators: int = _S(1, flag="local.validators", group=LOCAL, type=int, bounds=(1, 8),
+                               help="validators on the local subnet, each with its own hotkey, stake, state and "
+                                    "gateway, all sharing the miners (the chain runs Yuma 3 over their weights)")
+    local_stakes: list[float] = _S(flag="local.stakes", group=LOCAL, type=percents, factory=list,
+                                   metavar="P,P,...", help="the validators' stakes in percent, first to last (default "
+                                                           "unequal: 50,30,20 for three)")
+    local_traffic_split: list[float] = _S(flag="local.traffic", group=LOCAL, type=percents, factory=list,
+                                          metavar="P,P,...",
+                                          help="each validator's percent of --local.traffic-rps (default: all to "
+                                               "the one validator; with several, none to the first, the rest "
+                                               "equal, like 0,50,50)")
     local_runtime: str = _S("sim", flag="local.runtime", group=LOCAL, choices=("sim", "real"),
                             help="sim: simulated RTX 5090s; real: one miner runs Gemma 3 270M on llama.cpp on this "
                                  "CPU (needs '.[real]'), audited by the validator's reference")
@@ -250,6 +261,15 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
         build_parser().error("--audit.model toy is the simulated cards' model: only for the simulated local subnet")
     if cfg.local_cheats and cfg.local_runtime != "real":
         build_parser().error("--local.cheat needs --local.runtime real (a simulated card has no model to cheat with)")
+    for name, shares in (("--local.stakes", cfg.local_stakes), ("--local.traffic", cfg.local_traffic_split)):
+        if shares and len(shares) != cfg.local_validators:
+            build_parser().error(f"{name} gives {len(shares)} shares for {cfg.local_validators} validators "
+                                 "(--local.validators): one each")
+    if cfg.local_stakes and not sum(cfg.local_stakes):
+        build_parser().error("--local.stakes: every stake is 0; a subnet's validators need stake")
+    if cfg.local_validators > 1 and (cfg.gateway_workers > 1 or cfg.redis_url):
+        build_parser().error("--local.validators above 1 runs each validator's gateway in this process: without "
+                             "--gateway.workers and --redis.url")
     if cfg.local and cfg.state_dir == ValidatorConfig().state_dir:
         cfg.state_dir = Path("~/.tensorgate/local").expanduser()
     return cfg

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .validator.config import ValidatorConfig
+from ..validator.config import ValidatorConfig
 
 LINEUP_FILE = "local-lineup.json"
 REAL_LABEL = "llama.cpp gemma-3-270m (CPU)"
@@ -52,12 +52,16 @@ def miner_model(cfg: ValidatorConfig, i: int) -> str | None:
 
 
 def lineup_of(cfg: ValidatorConfig) -> dict[str, Any]:
-    """Each development key's runtime and model (``cfg`` as :func:`neurons.local_subnet.local_config` made it).
-    Miners added with ``--local.miner-url`` are left out: they sign with keys of their own."""
+    """Each development key's runtime and model (``cfg`` as :func:`neurons.local_subnet.local_config` made it), and
+    how many validators when several. Miners added with ``--local.miner-url`` are left out: they sign with keys of
+    their own."""
     n = cfg.local_miners + len(cfg.local_cheats)
-    return {"runtime": cfg.local_runtime, "models": list(cfg.models),
-            "miners": [{"key": f"Miner{i + 1}", "runs": miner_label(cfg, i), "model": miner_model(cfg, i)}
-                       for i in range(n)]}
+    lineup: dict[str, Any] = {"runtime": cfg.local_runtime, "models": list(cfg.models),
+                              "miners": [{"key": f"Miner{i + 1}", "runs": miner_label(cfg, i),
+                                          "model": miner_model(cfg, i)} for i in range(n)]}
+    if cfg.local_validators > 1:  # a lone validator's record stays as it was (its directories are kept)
+        lineup["validators"] = cfg.local_validators
+    return lineup
 
 
 def claim_state_dir(state_dir: Path, lineup: dict[str, Any], *, now: float) -> Path | None:

@@ -7,7 +7,7 @@ survived the clip at consensus) and dividends; per miner its consensus and incen
 
 from __future__ import annotations
 
-from .chain.local_state import U16_MAX, Subnet
+from ..chain.local_state import U16_MAX, Subnet
 
 
 def epoch_table(s: Subnet, labels: dict[int, str]) -> str:
