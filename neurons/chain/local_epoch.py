@@ -52,7 +52,8 @@ def run_subnet_epoch(s: Subnet, block: int) -> None:
                 commits[uid] = min(commits.get(uid, c.commit_block), c.commit_block)
     e = run_epoch(EpochInput(
         block=block, stake=[float(n.stake_rao) for n in ns], validator_permit=[n.validator_permit for n in ns],
-        last_update=[n.last_update for n in ns], registered_at=[n.registered_at for n in ns],
+        # the chain sets LastUpdate at registration; here 0 means "never set weights" (the SDK's preflight reads it)
+        last_update=[n.last_update or n.registered_at for n in ns], registered_at=[n.registered_at for n in ns],
         weights={uid: [(int(d), int(v)) for d, v in row] for uid, row in s.weights.items()},
         bonds={uid: [(int(d), int(v)) for d, v in row] for uid, row in s.bonds.items()},
         last_epoch_block=s.last_step or None, tempo=s.tempo, owner_uid=owner, commit_blocks=commits or None,

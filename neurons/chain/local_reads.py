@@ -51,7 +51,8 @@ def read_storage(state: ChainState, module: str, item: str, params: list, head: 
         "Kappa": s.kappa, "BondsPenalty": s.bonds_penalty, "BondsMovingAverage": s.bonds_moving_average,
         "LiquidAlphaOn": s.liquid_alpha, "AlphaValues": (s.alpha_low, s.alpha_high), "Yuma3On": True,
         "AlphaSigmoidSteepness": s.alpha_sigmoid_steepness, "MaxAllowedValidators": s.max_allowed_validators,
-        "ActivityCutoff": s.activity_cutoff, "LastMechansimStepBlock": s.last_step,
+        "ActivityCutoff": s.activity_cutoff, "ActivityCutoffFactorMilli": s.activity_cutoff_factor_milli,
+        "LastMechansimStepBlock": s.last_step,
     }
     if item in scalar:
         return scalar[item]

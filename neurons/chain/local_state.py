@@ -71,7 +71,7 @@ class Subnet:
     alpha_high: int = 58_982
     alpha_sigmoid_steepness: int = 1000
     max_allowed_validators: int = 128
-    activity_cutoff: int = 5000
+    activity_cutoff_factor_milli: int = 13_889  # the cutoff is this / 1000 tempos (5,000 blocks at tempo 360)
     name: str = "tensorgate-local"
     symbol: str = "α"
     registered_at: int = 0
@@ -94,6 +94,11 @@ class Subnet:
     def last_epoch_block(self, block: int) -> int:
         index = self.epoch_index(block)
         return self.epoch_block(index) if index > 0 else 0
+
+    @property
+    def activity_cutoff(self) -> int:
+        """Blocks without a weight update before a validator's stake stops counting (``get_activity_cutoff_blocks``)."""
+        return max(1, self.activity_cutoff_factor_milli * self.tempo // 1000)
 
     def uid_of(self, hotkey: str) -> int | None:
         for uid, n in enumerate(self.neurons):

@@ -209,12 +209,17 @@ class LocalSubstrate(SubstrateReads):
         weights_version_key: int | None = None,
         weights_min_stake: float | None = None,
         max_allowed_uids: int | None = None,
+        kappa: int | None = None,
+        liquid_alpha: bool | None = None,
+        activity_cutoff_factor_milli: int | None = None,
     ) -> None:
         """Set subnet hyperparameters (the owner/sudo setters of the real chain). ``None`` keeps a value.
 
-        ``max_weight_limit`` is a fraction (0..1] of a row's sum; ``weights_min_stake`` is in alpha units.
+        ``max_weight_limit`` is a fraction (0..1] of a row's sum; ``weights_min_stake`` is in alpha units; ``kappa``
+        is u16 (32767 = 0.5), ``activity_cutoff_factor_milli`` per mille of a tempo, as the chain stores them.
         """
         with self._lock:
+            self._tick()  # an epoch due before the change runs with the old values
             s = self._subnet_or_raise(netuid)
             if max_weight_limit is not None and not 0.0 < max_weight_limit <= 1.0:
                 raise ValueError("max_weight_limit is a fraction in (0, 1]")
@@ -228,7 +233,8 @@ class LocalSubstrate(SubstrateReads):
                 "min_allowed_weights": min_allowed_weights, "commit_reveal": commit_reveal,
                 "reveal_period": reveal_period, "weights_version_key": weights_version_key,
                 "weights_min_stake_rao": None if weights_min_stake is None else int(weights_min_stake * RAO_PER_UNIT),
-                "max_allowed_uids": max_allowed_uids,
+                "max_allowed_uids": max_allowed_uids, "kappa": kappa, "liquid_alpha": liquid_alpha,
+                "activity_cutoff_factor_milli": activity_cutoff_factor_milli,
             }
             for name, value in updates.items():
                 if value is not None:
