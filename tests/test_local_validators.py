@@ -5,30 +5,43 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 
 import pytest
 
 from neurons import weights as weights_cmd
 from neurons.local_subnet import run_local_subnet
-from neurons.validator.config import ValidatorConfig, parse_args
+from neurons.validator.config import parse_args
 
+ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 8  # with three validators splitting the traffic, the first weights come after round 4 or 5
+
+
+def readme_command() -> list[str]:
+    """The README's command with several validators, as given (after ``python``)."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if "neurons.validator --local --local.validators" in ln)
+    return shlex.split(line.strip())[1:]
 
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A finished run: stakes 50/30/20 %, traffic 0/30/70 % of 4 requests/s, eight 5-second rounds (an epoch a
-    round); its state directory and log."""
+    """The README's command (stakes 50/30/20 %, traffic 0/30/70 %, eight rounds) run as given, in compressed time
+    (5-second rounds, an epoch a round) and on free ports: its state directory and log."""
     from loguru import logger
 
     state = tmp_path_factory.mktemp("three")
+    argv = readme_command()
+    assert argv[:2] == ["-m", "neurons.validator"], argv
+    cfg = parse_args([*argv[2:], "--state-dir", str(state), "--gateway.port", "0", "--local.round-seconds", "5",
+                      "--local.block-time", "0.25", "--local.traffic-rps", "4", "--probes.per-round", "1",
+                      "--seed", "11"])
+    assert (cfg.local_validators, cfg.local_stakes, cfg.local_traffic_split) == (3, [50, 30, 20], [0, 30, 70])
+    assert cfg.local_rounds == ROUNDS
     lines: list[str] = []
     sink = logger.add(lambda m: lines.append(str(m)), level="INFO", format="{message}")
     try:
-        cfg = ValidatorConfig(local=True, state_dir=state, gateway_port=0, local_rounds=ROUNDS, local_round_s=5.0,
-                              local_block_time=0.25, local_miners=4, local_traffic_rps=4.0, probes_per_round=1,
-                              seed=11, local_validators=3, local_stakes=[50, 30, 20], local_traffic_split=[0, 30, 70])
         assert asyncio.run(run_local_subnet(cfg, seed=11)) == 0
     finally:
         logger.remove(sink)
