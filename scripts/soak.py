@@ -19,6 +19,7 @@ Examples::
     python scripts/soak.py --smoke                              # seconds, for CI
     python scripts/soak.py --scenario seed --router both        # one simulated hour, ~6 min
     python scripts/soak.py --scenario all --out soak-out        # everything (~12 min)
+    python scripts/soak.py --scenario validators --seeds 3      # three validators, Yuma on the local chain
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ from soak_lib.plot import plot_scenario  # noqa: E402
 from soak_lib.report import format_table, summarize, target_lines, to_json  # noqa: E402
 from soak_lib.routers import ROUTERS  # noqa: E402
 from soak_lib.scenarios import DEFAULT_SCALE, Scenario, build_scenarios, run_scale, time_scale  # noqa: E402
+from soak_lib.validators import format_report, run_seed  # noqa: E402
+from soak_lib.validators import summarize as summarize_validators  # noqa: E402
 
-SCENARIO_NAMES = ("seed", "burst", "mixed", "capacity", "adversarial")
+SCENARIO_NAMES = ("seed", "burst", "mixed", "capacity", "adversarial", "validators")
 
 
 def _positive(text: str) -> float:
@@ -64,7 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed: 2 identical cards, 1 request/20 s, never overlapping; burst: bursts of 2-16; "
                         "mixed: 4 cards of different speeds, one degrades, one dies and returns; "
                         "capacity: one miner with twice the slots; adversarial: honest cards (one with other "
-                        "validators' load) next to every cheater of issue 14 (project router only)")
+                        "validators' load) next to every cheater of issue 14 (project router only); validators: "
+                        "three validators (stakes 50/30/20 %, traffic 0/30/70 %) sharing every miner, the local "
+                        "chain's Yuma 3 epoch judging what they set (scripts/soak_lib/validators.py)")
+    p.add_argument("--seeds", type=int, default=3,
+                   help="validators scenario: seeds run one after the other, from --seed (the smoke runs one)")
+    p.add_argument("--rounds", type=int, default=16,
+                   help="validators scenario: rounds a seed (5 s each, an epoch a round; the smoke runs 8)")
     p.add_argument("--router", default="both", choices=(*ROUTERS, "both", "all"),
                    help="project: gateway.router.Router as the validator wires it (slots learned from X-Miner-Slots); "
                         "deterministic: fewest in flight then highest score; slots: the project router with slot "
@@ -136,11 +145,15 @@ async def _run_all(args: argparse.Namespace, opts: RunOptions, window: int) -> i
     names = SCENARIO_NAMES if args.scenario == "all" else (args.scenario,)
     t0 = time.monotonic()
     report: dict[str, list[dict]] = {}
+    validators: list[dict] = []
     failed = 0
     gateways = f", {opts.gateways} gateways sharing {opts.redis_url}" if opts.gateways > 1 else ""
     print(f"soak: time scale {opts.scale:g} (or a scenario's own), settlement window {window} rounds, "
           f"seed {args.seed}{gateways}" + (" (smoke)" if args.smoke else ""), flush=True)
     for name in names:
+        if name == "validators":  # not a router comparison: its own section of the JSON
+            validators = await _run_validators(args)
+            continue
         sc = scenarios[name]
         sc_opts = dataclasses.replace(opts, scale=time_scale(sc, smoke=args.smoke, requested=args.time_scale),
                                       window=sc.window or opts.window)
@@ -167,9 +180,24 @@ async def _run_all(args: argparse.Namespace, opts: RunOptions, window: int) -> i
     meta = {"time_scale": opts.scale, "window": window, "seed": args.seed, "smoke": args.smoke, "wall_s": wall,
             "util_ttft_s": args.util_ttft, "util_cap_s": args.util_cap,
             "options": dataclasses.asdict(opts)}
-    (args.out / "soak.json").write_text(json.dumps({"meta": meta, "scenarios": report}, indent=1, default=str))
+    (args.out / "soak.json").write_text(json.dumps({"meta": meta, "scenarios": report, "validators": validators},
+                                                          indent=1, default=str))
     print(f"\nsoak done in {wall:.0f} s wall; {failed} target(s) failed; json: {args.out / 'soak.json'}")
     return 1 if (failed and args.strict) else 0
+
+
+async def _run_validators(args: argparse.Namespace) -> list[dict]:
+    """The validators scenario: the local subnet with three validators, a seed at a time (soak_lib/validators.py)."""
+    seeds = [args.seed + i for i in range(1 if args.smoke else args.seeds)]
+    rounds = 8 if args.smoke else args.rounds
+    print(f"\n### validators: three validators sharing every miner, {rounds} rounds of 5 s, seeds {seeds}",
+          flush=True)
+    summaries = []
+    for seed in seeds:
+        run = await run_seed(seed, rounds=rounds, round_s=5.0, block_time=0.25, rps=4.0)
+        summaries.append({**summarize_validators(run), "epoch_log": run.epochs})
+    print(format_report(summaries), flush=True)
+    return summaries
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -335,3 +335,21 @@ def test_two_gateways_sharing_redis_never_send_a_miner_more_than_its_slots(redis
     assert sum(m["served"] for m in run["miners"]) == ok
     assert [m["refused_busy"] for m in run["miners"]] == [0, 0]
     assert all(m["max_in_flight_at_dispatch"] <= 3 for m in run["miners"])  # subnet-wide, at dispatch
+
+
+def test_the_validators_scenario_records_the_chains_epochs_for_three_validators(smoke: tuple[str, dict]) -> None:
+    """The soak with three validators (issue 57) ran the local subnet's Yuma 3 epochs and reports, per validator,
+    vtrust and dividends over stake, per miner incentive over the identical honest cards' mean (figures not judged
+    in a smoke: eight 5-second rounds)."""
+    out, report = smoke
+    assert "### validators:" in out and "identical honest cards" in out
+    (run,) = report["validators"]
+    assert run["epochs"] >= 4 and len(run["epoch_log"]) == run["epochs"]
+    for epoch in run["epoch_log"]:
+        stakes = [v["stake"] for v in epoch["validators"].values()]
+        assert sorted(stakes) == pytest.approx([0.2, 0.3, 0.5])
+        assert all(0 <= v["vtrust"] <= 1 for v in epoch["validators"].values())
+        incentive = sum(m["incentive"] for m in epoch["miners"].values())
+        assert incentive == pytest.approx(1.0, abs=1e-3) or incentive == 0
+    if run["used"]:
+        assert set(run["validators"]) == {"0", "1", "2"} and len(run["miners"]) == 4

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from loguru import logger
 
+from ..chain.local_state import Subnet
 from ..traffic import OrganicTraffic
 from ..validator.neuron import Validator
 from ..validator.prompts import MIXES
@@ -18,6 +20,8 @@ from .config import FIRST_WEIGHTS_ROUND
 from .epoch_table import epoch_table
 from .subnet import LocalSubnet, LocalValidator, start_local_subnet, stop_local_subnet
 from .summary import print_summary
+
+EpochHook = Callable[[Subnet, dict[int, str]], None]
 
 
 def _banner(subnet: LocalSubnet) -> str:
@@ -59,8 +63,9 @@ def _labelled(subnet: LocalSubnet, lv: LocalValidator) -> contextlib.AbstractCon
     return logger.contextualize(validator=lv.label) if len(subnet.validators) > 1 else contextlib.nullcontext()
 
 
-async def run_local_subnet(cfg: Any, *, seed: int | None = None) -> int:
-    """The README's main job: run until Ctrl-C, or for ``--local.rounds`` rounds."""
+async def run_local_subnet(cfg: Any, *, seed: int | None = None, on_epoch: EpochHook | None = None) -> int:
+    """The README's main job: run until Ctrl-C, or for ``--local.rounds`` rounds. ``on_epoch`` is called with the
+    subnet's chain state and the miners' labels after each epoch the chain runs (the soak records them)."""
     subnet = await start_local_subnet(cfg, seed=seed)
     v = subnet.validator
     started: list[LocalValidator] = []
@@ -87,7 +92,7 @@ async def run_local_subnet(cfg: Any, *, seed: int | None = None) -> int:
                 logger.warning("--local.rounds {}: no weights can be set that soon (capacity checks start in round {}, "
                                "and a miner's pay waits for its first reading); run {} or more to see them", want,
                                FIRST_WEIGHTS_ROUND, FIRST_WEIGHTS_ROUND + 1)
-            epochs = _EpochWatch(subnet)
+            epochs = _EpochWatch(subnet, on_epoch)
             while want is None or v.rounds_closed < want:
                 await asyncio.sleep(0.2)
                 epochs.check()
@@ -117,16 +122,20 @@ async def run_local_subnet(cfg: Any, *, seed: int | None = None) -> int:
 class _EpochWatch:
     """Logs the epoch table each time the local chain has run a new epoch."""
 
-    def __init__(self, subnet: LocalSubnet) -> None:
+    def __init__(self, subnet: LocalSubnet, hook: EpochHook | None) -> None:
         self.subnet = subnet
+        self.hook = hook
         self.seen = subnet.chain.substrate.subnet(subnet.cfg.netuid).last_step
 
     def check(self) -> None:
         s = self.subnet.chain.substrate.subnet(self.subnet.cfg.netuid)
         if s.last_step != self.seen:
             self.seen = s.last_step
-            self.subnet.last_epoch = epoch_table(s, {uid: label for uid, _, label in self.subnet.miners})
+            labels = {uid: label for uid, _, label in self.subnet.miners}
+            self.subnet.last_epoch = epoch_table(s, labels)
             logger.info("\n{}", self.subnet.last_epoch)
+            if self.hook is not None:
+                self.hook(s, labels)
 
 
 async def _await_weights(v: Validator, timeout_s: float) -> None:
