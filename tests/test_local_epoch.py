@@ -197,3 +197,29 @@ def test_neurons_weights_prints_the_last_epochs_yuma_columns(tmp_path: Path) -> 
     table = subprocess.run([sys.executable, "-m", "neurons.weights", "--state-dir", str(tmp_path), "--netuid",
                             str(NETUID)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "last epoch at block" in table.stdout and "vtrust" in table.stdout and "incentive" in table.stdout
+
+
+async def test_a_reader_shows_the_writers_last_epoch_not_epochs_of_its_own(tmp_path: Path) -> None:
+    """A reader of a stopped run's chain (``neurons.weights`` after the local subnet ended) shows the last epoch the
+    chain ran, with its figures, however long after: it runs no epochs of its own (in which the run's validators
+    would have gone inactive and read 0)."""
+    clock = FakeClock()
+    chains, miners = _subnet(tmp_path, clock)
+    try:
+        for chain in chains:
+            assert (await chain.set_weights({miners[0]: 1.0})).ok
+        block = await _to_next_epoch(chains[0].substrate, clock)
+        vtrust = chains[0].substrate.subnet(NETUID).neurons[0].validator_trust
+        assert vtrust > 0
+    finally:
+        await _close(chains)
+    clock.blocks(50 * (TEMPO + 1))  # well past the activity cutoff
+    reader = LocalSubstrate.open(tmp_path, read_only=True, clock=clock)
+    s = reader.subnet(NETUID)
+    assert s.last_step == block and s.neurons[0].validator_trust == vtrust
+    client = await bt.Subtensor("local", substrate=reader)
+    try:
+        mg = await client.subnets.metagraph(NETUID, commitments=False)
+    finally:
+        await client.close()
+    assert mg is not None and mg.last_step == block

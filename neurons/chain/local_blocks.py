@@ -14,11 +14,13 @@ from .local_rules import Refused, set_weights
 from .local_state import EXTRINSIC_LOG_LIMIT, ChainState, Subnet
 
 
-def advance(state: ChainState, before: int, head: int) -> bool:
-    """The blocks after ``before`` up to ``head``, in order; whether anything changed."""
+def advance(state: ChainState, before: int, head: int, *, epochs: bool = True) -> bool:
+    """The blocks after ``before`` up to ``head``, in order; whether anything changed. ``epochs`` False (a reader of
+    another process's chain): reveals only, so a reader shows the epochs the chain's writer ran, never epochs of its
+    own over a run that has stopped (its validators inactive by then)."""
     changed = False
     for s in state.subnets.values():
-        for block in epochs_between(s, before, head):
+        for block in epochs_between(s, before, head) if epochs else []:
             changed |= apply_reveals(state, s, block)
             run_subnet_epoch(s, block)
             changed = True

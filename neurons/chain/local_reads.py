@@ -99,7 +99,7 @@ def metagraph(s: Subnet, head: int) -> dict[str, Any]:
     """``SubnetInfoRuntimeApi.get_metagraph``: the raw record the SDK turns into ``bt.Metagraph``."""
     ns = s.neurons
     zeros = [0 for _ in ns]
-    last_step = s.last_epoch_block(head)
+    last_step = s.last_step or s.last_epoch_block(head)  # the epoch whose figures these are
     return {
         "netuid": s.netuid, "name": list(s.name.encode()), "symbol": list(s.symbol.encode()),
         "identity": None, "network_registered_at": s.registered_at,

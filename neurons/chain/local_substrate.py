@@ -178,7 +178,7 @@ class LocalSubstrate(SubstrateReads):
         head = self._head()
         if head != self._state.last_block:
             before, self._state.last_block = self._state.last_block, head
-            if advance(self._state, before, head):
+            if advance(self._state, before, head, epochs=not self.read_only):
                 self._save()
         return head
 
