@@ -213,7 +213,7 @@ async def test_a_request_id_is_kept_or_made_returned_and_in_every_log_line_about
     """Issue 26: one id per request, from X-Request-Id or made, in the answer's header, the error body and the logs."""
     from loguru import logger
 
-    from neurons.validator.cli import log_format
+    from neurons.validator.process import log_format
 
     lines: list[str] = []
     sink = logger.add(lambda msg: lines.append(str(msg)), format=log_format, level="DEBUG")
@@ -250,7 +250,7 @@ def test_json_log_lines_carry_the_request_id(capsys) -> None:
 
     from loguru import logger
 
-    from neurons.validator.cli import json_line
+    from neurons.validator.process import json_line
 
     sink = logger.add(json_line, level="INFO")
     try:

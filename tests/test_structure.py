@@ -134,3 +134,77 @@ def test_no_module_or_function_grows_past_the_limits(kind: str) -> None:
     assert not grown, f"{kind}s over {limit} lines that are new or grew (now, then): {grown}"
     shrunk = sorted(name for name in known if sizes.get(name, 0) <= limit)
     assert not shrunk, f"under {limit} lines now: take them off the list: {shrunk}"
+
+
+def _import_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (lazy imports included: a loop through a function's import is
+    still a loop a reader has to hold in mind, and one run-time surprise away from an import error)."""
+    graph: dict[str, set[str]] = {}
+    root = REPO / Path(*package.split("."))
+    for path in sorted(root.rglob("*.py")):
+        mod = _rel(path)[:-3].replace("/", ".")
+        if mod.endswith(".__init__"):
+            continue
+        graph[mod] = set()
+        for name in _imports(path, mod):
+            for target in (name, name.rpartition(".")[0]):  # ``from .x import y``: module x, or name y of it
+                if _under(target, package) and target != mod and (REPO / (target.replace(".", "/") + ".py")).exists():
+                    graph[mod].add(target)
+                    break
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan), as sorted lists."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_validators_entry_points_share_through_a_module_not_a_loop() -> None:
+    """``cli`` (the validator's entry) and ``worker`` (a gateway worker's) share logging, the open-files limit and the
+    SIGTERM stop through ``process``: no import loop among the validator's modules (the worker borrowed the CLI's
+    private helpers before, a run-time loop)."""
+    graph = _import_graph("neurons.validator")
+    assert "neurons.validator.process" in graph["neurons.validator.worker"]
+    assert "neurons.validator.cli" not in graph["neurons.validator.worker"]
+    assert _cycles(graph) == []
+
+
+@pytest.mark.parametrize("package", PRODUCT)
+def test_no_import_loop_at_run_time(package: str) -> None:
+    """No loop among a package's modules through the imports that run (type-only ones left out)."""
+    assert _cycles(_import_graph(package)) == []
+
+
+def test_the_cycle_finder_sees_a_loop() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

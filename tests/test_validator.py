@@ -327,7 +327,7 @@ async def test_history_kept_in_memory_is_bounded(tmp_path: Path) -> None:
 def test_the_open_files_limit_is_raised_to_the_hard_limit() -> None:
     import resource
 
-    from neurons.validator.cli import raise_open_files_limit
+    from neurons.validator.process import raise_open_files_limit
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == hard:  # already at the ceiling (a CI runner may be): lower it to see it raised

@@ -33,12 +33,12 @@ def worker_keypair(cfg: ValidatorConfig) -> Any:
 
 
 def main() -> int:
-    from .cli import _configure_logging, _until_stopped, raise_open_files_limit
     from .gateway_only import run_gateway
+    from .process import configure_logging, raise_open_files_limit, until_stopped
 
     spec = json.loads(sys.stdin.readline())
     cfg = config_from_json(spec["config"])
-    _configure_logging(cfg.log_level, cfg.log_format)
+    configure_logging(cfg.log_level, cfg.log_format)
     raise_open_files_limit()
 
     def ready(port: int) -> None:
@@ -60,7 +60,7 @@ def main() -> int:
         return 0 if gateway.cancelled() else gateway.result()
 
     try:
-        return asyncio.run(_until_stopped(run()))
+        return asyncio.run(until_stopped(run()))
     except KeyboardInterrupt:
         return 0
 
