@@ -30,7 +30,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from scoring.store_schema import SCHEMA, SCHEMA_2, SCHEMA_3, SCHEMA_4, SCHEMA_5, SCHEMA_6, SCHEMA_VERSION, TABLES
+from scoring.store_schema import MIGRATIONS, SCHEMA, SCHEMA_VERSION, TABLES
 from scoring.stored import (
     CorruptStateError,
     NewerSchemaError,
@@ -116,38 +116,17 @@ class ScoreStore:
                     self.path, f"an SQLite file with unknown tables {sorted(tables)} and no tensorgate schema"
                 )
             with self._tx(conn):
-                conn.executescript("BEGIN;" + SCHEMA + SCHEMA_2 + SCHEMA_3 + SCHEMA_4 + SCHEMA_5 +
-                                   SCHEMA_6 + f"PRAGMA user_version = {SCHEMA_VERSION};")
+                conn.executescript("BEGIN;" + SCHEMA + "".join(m.script for m in MIGRATIONS)
+                                   + f"PRAGMA user_version = {SCHEMA_VERSION};")
             logger.info("scoring state: created {} (schema {})", self.path, SCHEMA_VERSION)
             return
-        if version == 1:
-            with self._tx(conn):
-                conn.executescript("BEGIN;" + SCHEMA_2 + "PRAGMA user_version = 2;")
-            tables |= {"audits"}
-            version = 2
-            logger.info("scoring state: {} migrated from schema 1 to 2 (audit outcomes)", self.path)
-        if version == 2:
-            with self._tx(conn):
-                conn.executescript("BEGIN;" + SCHEMA_3 + "PRAGMA user_version = 3;")
-            tables |= {"key_usage"}
-            version = 3
-            logger.info("scoring state: {} migrated from schema 2 to 3 (paid work per round)", self.path)
-        if version == 3:
-            with self._tx(conn):
-                conn.executescript("BEGIN;" + SCHEMA_4 + "PRAGMA user_version = 4;")
-            version = 4
-            logger.info("scoring state: {} migrated from schema 3 to 4 (verified and held pay)", self.path)
-        if version == 4:
-            with self._tx(conn):
-                conn.executescript("BEGIN;" + SCHEMA_5 + "PRAGMA user_version = 5;")
-            tables |= {"intake", "counted"}
-            version = 5
-            logger.info("scoring state: {} migrated from schema 4 to 5 (measurements counted once)", self.path)
-        if version == 5:
-            with self._tx(conn):
-                conn.executescript("BEGIN;" + SCHEMA_6 + "PRAGMA user_version = 6;")
-            version = 6
-            logger.info("scoring state: {} migrated from schema 5 to 6 (capacity readings kept)", self.path)
+        for m in MIGRATIONS:  # each rung in its own transaction: a kill between two leaves a consistent version
+            if version == m.to - 1:
+                with self._tx(conn):
+                    conn.executescript("BEGIN;" + m.script + f"PRAGMA user_version = {m.to};")
+                tables |= m.tables
+                logger.info("scoring state: {} migrated from schema {} to {} ({})", self.path, version, m.to, m.what)
+                version = m.to
         missing = TABLES - tables
         if missing:
             raise CorruptStateError(self.path, f"schema {version} but tables {sorted(missing)} are missing")

@@ -1,9 +1,11 @@
-"""The state file's schema (SQLite): the tables of schema 1 (``SCHEMA``) and what each later version added
-(``SCHEMA_2`` ... ``SCHEMA_6``), which :class:`scoring.store.ScoreStore` creates, checks and migrates."""
+"""The state file's schema (SQLite): the tables of schema 1 (``SCHEMA``) and the ladder of what each later version
+added (:data:`MIGRATIONS`, one row a version), which :class:`scoring.store.ScoreStore` creates, checks and migrates
+with one loop. A new schema is one more row."""
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 6
+from dataclasses import dataclass
+
 SCHEMA = """
 CREATE TABLE rounds (
     idx INTEGER PRIMARY KEY,
@@ -90,4 +92,25 @@ SCHEMA_6 = """
 ALTER TABLE round_miners ADD COLUMN unmeasured INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE round_miners ADD COLUMN capacity REAL;
 """
-TABLES = frozenset({"rounds", "round_miners", "routing", "meta", "audits", "key_usage", "intake", "counted"})
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One rung: the script that makes schema ``to`` of schema ``to - 1``, the tables it creates, and what it is for
+    (the log says it)."""
+
+    to: int
+    script: str
+    tables: frozenset[str]
+    what: str
+
+
+MIGRATIONS = (
+    Migration(2, SCHEMA_2, frozenset({"audits"}), "audit outcomes"),
+    Migration(3, SCHEMA_3, frozenset({"key_usage"}), "paid work per round"),
+    Migration(4, SCHEMA_4, frozenset(), "verified and held pay"),
+    Migration(5, SCHEMA_5, frozenset({"intake", "counted"}), "measurements counted once"),
+    Migration(6, SCHEMA_6, frozenset(), "capacity readings kept"),
+)
+SCHEMA_VERSION = MIGRATIONS[-1].to
+TABLES = frozenset({"rounds", "round_miners", "routing", "meta"}).union(*(m.tables for m in MIGRATIONS))

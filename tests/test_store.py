@@ -325,3 +325,13 @@ async def test_a_directory_in_place_of_the_state_file_is_refused(tmp_path: Path)
     with pytest.raises(CorruptStateError, match="directory"):
         await v.open_state()
     assert not (tmp_path / "validator.sqlite" / "scoring.sqlite").exists()
+
+
+def test_the_migration_ladder_is_one_row_a_version() -> None:
+    """The ladder is data (issue 59): rungs 2..SCHEMA_VERSION in order, each with its script and its purpose; the
+    tables a file must hold are schema 1's and the rungs'."""
+    from scoring.store_schema import MIGRATIONS, TABLES
+
+    assert [m.to for m in MIGRATIONS] == list(range(2, SCHEMA_VERSION + 1))
+    assert all(m.script.strip() and m.what for m in MIGRATIONS)
+    assert {"audits", "key_usage", "intake", "counted"} <= TABLES
