@@ -205,15 +205,8 @@ def _run_local(argv: list[str], state: Path, clients: list[str]) -> None:
             proc.wait()
 
 
-# Pages not yet cut into sections (issue 59): the list may only shrink.
-PAGES_WITHOUT_SECTIONS = {"performance.md"}
-
-
 def test_every_page_has_sections_a_reader_can_navigate() -> None:
-    """At least three ``##`` sections a page, so the site's table of contents has entries to link to."""
+    """At least three ``##`` sections a page (issue 59), so the site's table of contents has entries to link to."""
     pages = sorted((REPO / "docs" / "pages").glob("*.md"))
     counts = {p.name: sum(1 for line in p.read_text().splitlines() if line.startswith("## ")) for p in pages}
-    short = {name for name, n in counts.items() if n < 3}
-    assert short <= PAGES_WITHOUT_SECTIONS, f"pages with fewer than three sections: {sorted(short)}"
-    assert not (PAGES_WITHOUT_SECTIONS - short), f"cut into sections now: take off the list: " \
-        f"{sorted(PAGES_WITHOUT_SECTIONS - short)}"
+    assert {name: n for name, n in counts.items() if n < 3} == {}
