@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
@@ -58,6 +58,9 @@ from .router import Router
 from .routes import completions, models, operator
 from .routes.models import MODEL_PATH
 from .upstream import Upstream, UpstreamTimeouts
+
+if TYPE_CHECKING:
+    from .shared.leases import SharedLeases
 
 DEFAULT_MODELS = ("tensorgate/sim-5090",)
 _CLOSE_AFTER = frozenset({400, 401, 408, 413, 417, 503})  # refusals after which the connection is not worth keeping
@@ -125,7 +128,8 @@ class GatewayConfig:
 
     def relay_config(self) -> RelayConfig:
         return RelayConfig(max_retries=self.max_retries, timeouts=self.timeouts,
-                           served_by_header=self.served_by_header, first_byte_budget_s=self.first_byte_budget_s)
+                           served_by_header=self.served_by_header, first_byte_budget_s=self.first_byte_budget_s,
+                           full_wait_s=self.queue_s)
 
 
 Route = Callable[[Scope, dict[str, str], Receive, Send], Awaitable[None]]
@@ -136,7 +140,8 @@ class Gateway:
     endpoints (:mod:`gateway.routes.operator`); ``self`` is the ASGI app."""
 
     def __init__(self, config: GatewayConfig, router: Router, upstream: Upstream, *,
-                 counter: PromptCounter | None = None) -> None:
+                 counter: PromptCounter | None = None, leases: SharedLeases | None = None) -> None:
+        """``leases``: with several gateway processes, the miners' slots held subnet-wide (:mod:`gateway.shared`)."""
         self.config = config
         self.counter = counter  # a limited key's prompt tokens, counted as the model counts them (None: estimated)
         self.router = router
@@ -151,7 +156,7 @@ class Gateway:
                                    max_tokens_cap=config.max_tokens_cap)
         self.outcomes: Counter[str] = Counter()  # per HTTP status / stream outcome, for tests and status
         self.clients = ClientSeries()  # what clients saw, per model and key (organic only)
-        self.relay = Relay(config.relay_config(), router, upstream, self.outcomes)
+        self.relay = Relay(config.relay_config(), router, upstream, self.outcomes, leases=leases)
         self.routes: dict[str, dict[str, Route]] = {
             CHAT_PATH: {"POST": functools.partial(completions.chat, self)},
             COMPLETIONS_PATH: {"POST": functools.partial(completions.completions, self)},

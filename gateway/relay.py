@@ -80,6 +80,9 @@ class RelayConfig:
     # first_token deadline). Without it three miners that stall before their first byte cost a client
     # 3 x 30 s before a 504.
     first_byte_budget_s: float = 30.0
+    # With several gateway processes: how long a request that finds every miner's declared slots held by the others
+    # waits for room (the gateway's queue time)
+    full_wait_s: float = 10.0
 
 
 class _Broken(Exception):
@@ -95,7 +98,8 @@ class _Broken(Exception):
 class Relay:
     """One request's life, from router lease to the client's last byte; counts outcomes into ``outcomes``."""
 
-    def __init__(self, config: RelayConfig, router: Router, upstream: Upstream, outcomes: Counter[str]) -> None:
+    def __init__(self, config: RelayConfig, router: Router, upstream: Upstream, outcomes: Counter[str], *,
+                 leases: SharedLeases | None = None) -> None:
         self.config = config
         self.router = router
         self.upstream = upstream
@@ -103,9 +107,9 @@ class Relay:
         self.stopping = False  # set by cut(): no new miner is tried, streams in progress end
         self._live: set[UpstreamStream] = set()
         # Several gateway processes (gateway.shared): each lease is held subnet-wide too, and a request that finds
-        # every miner's declared slots held by the others waits for room at most ``full_wait_s``. None: one process.
-        self.leases: SharedLeases | None = None
-        self.full_wait_s = 10.0
+        # every miner's declared slots held by the others waits for room at most ``config.full_wait_s``. None: one
+        # process.
+        self.leases = leases
 
     def cut(self) -> int:
         """End every stream still in progress (the gateway is stopping and the drain is over); returns how many.
@@ -229,7 +233,7 @@ class Relay:
             timeouts = base if first_token == base.first_token else dataclasses.replace(base, first_token=first_token)
             if self.stopping:
                 raise shutting_down()
-            lease = await self._acquire(req, tried, min(budget_ends, loop.time() + self.full_wait_s))
+            lease = await self._acquire(req, tried, min(budget_ends, loop.time() + self.config.full_wait_s))
             if lease is None:
                 break
             tried.add(lease.miner.uid)

@@ -129,14 +129,13 @@ def build_parts(
         sink = publisher if publisher is not None else measurements
     upstream = Upstream(client, RequestSigner(keypair), sink, timeouts=timeouts, limits=limits)
     upstream.on_slots = router.learn_slots  # capacity-aware least-in-flight (in_flight / slots)
+    leases = SharedLeases(link, router, ttl_s=cfg.redis_lease_s) if link is not None else None
     gateway = Gateway(_gateway_config(cfg, api_keys, audited=reference is not None, **gateway_options), router,
-                      upstream, counter=_prompt_counter(cfg, reference))
+                      upstream, counter=_prompt_counter(cfg, reference), leases=leases)
     shared = None
-    if link is not None and publisher is not None:
-        shared = SharedState(link, SharedLeases(link, router, ttl_s=cfg.redis_lease_s), SharedLimits(
+    if link is not None and publisher is not None and leases is not None:
+        shared = SharedState(link, leases, SharedLimits(
             link, gateway.quota, share=cfg.redis_gateways or cfg.gateway_workers, ttl_s=cfg.redis_lease_s), publisher)
-        gateway.relay.leases = shared.leases
-        gateway.relay.full_wait_s = cfg.queue_s
         gateway.plug(key_limits=shared.limits, metrics=(shared.families,))
     credit = credit or load_profile(cfg.credit_profile)
     scorer = Scorer(credit, window=cfg.settlement_rounds,
