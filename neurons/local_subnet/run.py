@@ -14,6 +14,7 @@ from loguru import logger
 
 from ..chain.local_state import Subnet
 from ..traffic import OrganicTraffic
+from ..validator.config import ValidatorConfig
 from ..validator.neuron import Validator
 from ..validator.prompts import MIXES
 from .config import FIRST_WEIGHTS_ROUND
@@ -63,7 +64,8 @@ def _labelled(subnet: LocalSubnet, lv: LocalValidator) -> contextlib.AbstractCon
     return logger.contextualize(validator=lv.label) if len(subnet.validators) > 1 else contextlib.nullcontext()
 
 
-async def run_local_subnet(cfg: Any, *, seed: int | None = None, on_epoch: EpochHook | None = None) -> int:
+async def run_local_subnet(cfg: ValidatorConfig, *, seed: int | None = None,
+                           on_epoch: EpochHook | None = None) -> int:
     """The README's main job: run until Ctrl-C, or for ``--local.rounds`` rounds. ``on_epoch`` is called with the
     subnet's chain state and the miners' labels after each epoch the chain runs (the soak records them)."""
     subnet = await start_local_subnet(cfg, seed=seed)
