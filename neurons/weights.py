@@ -99,11 +99,11 @@ def format_table(data: dict[str, Any], source: str) -> str:
                          f"{_short(r['miner_hotkey']):<12}  {r['weight']:>8.4f}  {ago}")
     pending = data["pending_commits"]
     lines.append(f"pending commits: {len(pending)}")
-    lines += format_epoch(data["epoch"])
     for c in pending:
         lines.append(f"  validator uid {c['validator_uid']} ({_short(c['hotkey'])}) committed at block "
                      f"{c['commit_block']} (epoch {c['epoch']}), drand reveal round {c['reveal_round']}"
                      + (f" ~ {c['reveals_at']}" if c["reveals_at"] else ""))
+    lines += format_epoch(data["epoch"])
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ Examples::
 
     python scripts/soak.py --smoke                              # seconds, for CI
     python scripts/soak.py --scenario seed --router both        # one simulated hour, ~6 min
-    python scripts/soak.py --scenario all --out soak-out        # everything (~12 min)
+    python scripts/soak.py --scenario all --out soak-out        # everything (~17 min)
     python scripts/soak.py --scenario validators --seeds 3      # three validators, Yuma on the local chain
 """
 
@@ -60,6 +60,17 @@ def _positive(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    """A number of seeds or rounds: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python scripts/soak.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -70,9 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "validators' load) next to every cheater of issue 14 (project router only); validators: "
                         "three validators (stakes 50/30/20 %, traffic 0/30/70 %) sharing every miner, the local "
                         "chain's Yuma 3 epoch judging what they set (scripts/soak_lib/validators.py)")
-    p.add_argument("--seeds", type=int, default=3,
+    p.add_argument("--seeds", type=_count, default=3,
                    help="validators scenario: seeds run one after the other, from --seed (the smoke runs one)")
-    p.add_argument("--rounds", type=int, default=16,
+    p.add_argument("--rounds", type=_count, default=16,
                    help="validators scenario: rounds a seed (5 s each, an epoch a round; the smoke runs 8)")
     p.add_argument("--router", default="both", choices=(*ROUTERS, "both", "all"),
                    help="project: gateway.router.Router as the validator wires it (slots learned from X-Miner-Slots); "

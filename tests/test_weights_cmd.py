@@ -105,3 +105,19 @@ def test_unknown_netuid_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     asyncio.run(chain.close())
     assert main(["--state-dir", str(tmp_path), "--netuid", "42"]) == 1
     assert "netuid 42 does not exist" in capsys.readouterr().err
+
+
+def test_the_table_ends_with_the_last_epoch_after_the_pending_commits(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The pending commits' lines follow their count; the last epoch's Yuma columns close the table."""
+    chain, uids = make_chain(tmp_path, commit_reveal=True, tempo=360)
+    try:
+        assert asyncio.run(chain.set_weights({uids[1]: 1.0})).ok
+        assert main(["--state-dir", str(tmp_path), "--netuid", str(NETUID)]) == 0
+    finally:
+        asyncio.run(chain.close())
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("pending commits: 1"))
+    assert "committed at block" in lines[at + 1]
+    epoch = next(i for i, line in enumerate(lines) if line.startswith("last epoch at block"))
+    assert epoch > at + 1 and any("validator uid 0" in line for line in lines[epoch:])
