@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import bittensor as bt
@@ -15,10 +16,10 @@ import pytest
 from bittensor.sp_core import Keypair
 
 from neurons.chain import LocalChain, LocalSubstrate
-from neurons.chain.local_epoch import CATCH_UP_EPOCHS, EMISSION_PER_BLOCK_RAO
-from scoring.yuma import U16_MAX, EpochInput, run_epoch
+from neurons.chain.local_epoch import CATCH_UP_EPOCHS, EMISSION_PER_BLOCK_RAO, epoch_input
+from scoring.yuma import U16_MAX, run_epoch
+from tests.test_chain_local import BLOCK, FakeClock
 
-BLOCK = 0.25
 NETUID = 1
 TEMPO = 9
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,15 +28,9 @@ MINERS = [Keypair.create_from_uri(f"//Miner{i}") for i in range(3)]
 STAKES = [500.0, 300.0, 200.0]
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = time.time()  # a reader in another process (real clock) then sees the same head
-
-    def __call__(self) -> float:
-        return self.t
-
-    def blocks(self, n: int) -> None:
-        self.t += n * BLOCK
+def _clock() -> FakeClock:
+    """Under test control, started at the wall clock: a reader in another process (real clock) sees the same head."""
+    return FakeClock(time.time())
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +48,7 @@ def _subnet(tmp_path: Path, clock: FakeClock, **hp: object) -> tuple[list[LocalC
     miners = [sub.register(m.ss58_address, m.ss58_address, endpoint=f"127.0.0.1:{9200 + i}")
               for i, m in enumerate(MINERS)]
     chains = [first] + [LocalChain(sub, NETUID, v) for v in VALIDATORS[1:]]
-    clock.blocks(1)  # weights count on neurons registered before the block they are set in
+    clock.advance_blocks(1)  # weights count on neurons registered before the block they are set in
     return chains, miners
 
 
@@ -67,7 +62,7 @@ async def _to_next_epoch(sub: LocalSubstrate, clock: FakeClock) -> int:
     head = await sub.block_number()
     s = sub.subnet(NETUID)
     block = s.epoch_block(s.epoch_index(head) + 1)
-    clock.blocks(block - head)
+    clock.advance_blocks(block - head)
     assert await sub.block_number() == block
     return block
 
@@ -76,21 +71,16 @@ async def test_an_epoch_turns_three_validators_weights_into_yuma_columns_the_sdk
     """Alice and Bob agree, Charlie (20 %) puts most on the miner the others weight least: at the next tempo
     boundary the chain's metagraph (read through the SDK) holds Yuma 3's consensus, incentive, vtrust and dividends
     for exactly those weights; Charlie's vtrust and dividends fall below the others'."""
-    clock = FakeClock()
+    clock = _clock()
     chains, miners = _subnet(tmp_path, clock)
     try:
         rows = [[0.4, 0.4, 0.2], [0.4, 0.4, 0.2], [0.1, 0.1, 0.8]]
         for chain, row in zip(chains, rows, strict=True):
             outcome = await chain.set_weights(dict(zip(miners, row, strict=True)))
             assert outcome.ok, outcome
-        s = chains[0].substrate.subnet(NETUID)
-        state = {uid: [(d, v) for d, v in r] for uid, r in s.weights.items()}
-        ns = s.neurons
-        before = EpochInput(block=0, stake=[n.stake_rao for n in ns], validator_permit=[n.validator_permit for n in ns],
-                            last_update=[n.last_update for n in ns], registered_at=[n.registered_at for n in ns],
-                            weights=state, bonds={}, tempo=TEMPO, owner_uid=0)
+        before = epoch_input(chains[0].substrate.subnet(NETUID), 0)
         block = await _to_next_epoch(chains[0].substrate, clock)
-        want = run_epoch(EpochInput(**{**before.__dict__, "block": block}))
+        want = run_epoch(replace(before, block=block))
 
         client = await bt.Subtensor("local", substrate=chains[0].substrate)
         try:
@@ -119,7 +109,7 @@ async def test_epochs_run_once_per_boundary_across_a_restart_and_catch_up_when_t
         tmp_path: Path) -> None:
     """An epoch runs at each tempo boundary once: bonds grow by the EMA step per epoch, a reopened chain does not
     run the same epoch again, and a chain reopened long after runs at most ``CATCH_UP_EPOCHS`` it missed."""
-    clock = FakeClock()
+    clock = _clock()
     chains, miners = _subnet(tmp_path, clock)
     try:
         for chain in chains:
@@ -137,7 +127,7 @@ async def test_epochs_run_once_per_boundary_across_a_restart_and_catch_up_when_t
         s = again.subnet(NETUID)
         assert s.last_step == first + TEMPO + 1 and dict(s.bonds[0])[miners[0]] == grown  # not run twice
         again.set_hyperparameters(NETUID, activity_cutoff_factor_milli=10**6)  # the validators stay active
-        clock.blocks(200 * (TEMPO + 1))  # 200 epochs missed
+        clock.advance_blocks(200 * (TEMPO + 1))  # 200 epochs missed
         s = again.subnet(NETUID)
         assert s.last_step == s.last_epoch_block(await again.block_number())
         caught_up = dict(s.bonds[0])[miners[0]] / U16_MAX
@@ -150,7 +140,7 @@ async def test_epochs_run_once_per_boundary_across_a_restart_and_catch_up_when_t
 async def test_a_commit_revealed_at_an_epoch_block_counts_in_that_epoch(tmp_path: Path) -> None:
     """Commit-reveal on: weights committed in one epoch are revealed at the next boundary and counted by the epoch
     at that block (reveals first, as the chain's block step orders them); before, the commit holds no weight."""
-    clock = FakeClock()
+    clock = _clock()
     chains, miners = _subnet(tmp_path, clock, commit_reveal=True)
     try:
         for chain in chains:
@@ -170,7 +160,7 @@ def test_neurons_weights_prints_the_last_epochs_yuma_columns(tmp_path: Path) -> 
     consensus and incentive, with the block of the epoch; the table says the same."""
     import asyncio
 
-    clock = FakeClock()
+    clock = _clock()
 
     async def setup() -> int:
         chains, miners = _subnet(tmp_path, clock)
@@ -203,7 +193,7 @@ async def test_a_reader_shows_the_writers_last_epoch_not_epochs_of_its_own(tmp_p
     """A reader of a stopped run's chain (``neurons.weights`` after the local subnet ended) shows the last epoch the
     chain ran, with its figures, however long after: it runs no epochs of its own (in which the run's validators
     would have gone inactive and read 0)."""
-    clock = FakeClock()
+    clock = _clock()
     chains, miners = _subnet(tmp_path, clock)
     try:
         for chain in chains:
@@ -213,7 +203,7 @@ async def test_a_reader_shows_the_writers_last_epoch_not_epochs_of_its_own(tmp_p
         assert vtrust > 0
     finally:
         await _close(chains)
-    clock.blocks(50 * (TEMPO + 1))  # well past the activity cutoff
+    clock.advance_blocks(50 * (TEMPO + 1))  # well past the activity cutoff
     reader = LocalSubstrate.open(tmp_path, read_only=True, clock=clock)
     s = reader.subnet(NETUID)
     assert s.last_step == block and s.neurons[0].validator_trust == vtrust

@@ -39,10 +39,8 @@ class Chain:
         self.last_update[uid] = self.block
 
     def epoch(self) -> Epoch:
-        self.block += 1  # next_block_no_epoch
-        e = run_epoch(EpochInput(block=self.block, stake=self.stake, validator_permit=self.permit,
-                                 last_update=self.last_update, registered_at=self.registered, weights=self.weights,
-                                 bonds=self.bonds, last_epoch_block=self.last_epoch, tempo=1), self.params)
+        e = run_epoch(_input(self), self.params)  # at the next block (next_block_no_epoch)
+        self.block += 1
         self.permit = [bool(p) for p in e.validator_permit]
         self.bonds = e.bonds
         self.last_epoch = self.block

@@ -37,12 +37,9 @@ def epochs_between(s: Subnet, after: int, upto: int) -> list[int]:
     return [b for b in blocks if after < b <= upto]
 
 
-def run_subnet_epoch(s: Subnet, block: int) -> None:
-    """One epoch at ``block``: Yuma 3 over the subnet's weights, stakes and bonds; the results stored in ``s``."""
+def epoch_input(s: Subnet, block: int) -> EpochInput:
+    """What an epoch at ``block`` reads of ``s``, in the shapes :func:`scoring.yuma.run_epoch` takes."""
     ns = s.neurons
-    if not ns:
-        s.last_step = block
-        return
     owner = s.uid_of(s.owner_hotkey) if s.owner_hotkey else None
     commits: dict[int, int] = {}
     if s.commit_reveal:
@@ -50,14 +47,23 @@ def run_subnet_epoch(s: Subnet, block: int) -> None:
             uid = s.uid_of(c.hotkey)
             if uid is not None:
                 commits[uid] = min(commits.get(uid, c.commit_block), c.commit_block)
-    e = run_epoch(EpochInput(
+    return EpochInput(
         block=block, stake=[float(n.stake_rao) for n in ns], validator_permit=[n.validator_permit for n in ns],
         # the chain sets LastUpdate at registration; here 0 means "never set weights" (the SDK's preflight reads it)
         last_update=[n.last_update or n.registered_at for n in ns], registered_at=[n.registered_at for n in ns],
         weights={uid: [(int(d), int(v)) for d, v in row] for uid, row in s.weights.items()},
         bonds={uid: [(int(d), int(v)) for d, v in row] for uid, row in s.bonds.items()},
         last_epoch_block=s.last_step or None, tempo=s.tempo, owner_uid=owner, commit_blocks=commits or None,
-    ), yuma_params(s))
+    )
+
+
+def run_subnet_epoch(s: Subnet, block: int) -> None:
+    """One epoch at ``block``: Yuma 3 over the subnet's weights, stakes and bonds; the results stored in ``s``."""
+    ns = s.neurons
+    if not ns:
+        s.last_step = block
+        return
+    e = run_epoch(epoch_input(s, block), yuma_params(s))
     emission = s.tempo * EMISSION_PER_BLOCK_RAO
     for uid, n in enumerate(ns):
         n.consensus = u16_fraction(e.consensus[uid])
